@@ -1,0 +1,265 @@
+"""HBONEConnection driven over in-memory transports (twisted.test.iosim) with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from hyperframe.frame import Frame, GoAwayFrame, PingFrame, RstStreamFrame
+from twisted.internet import task
+from twisted.internet.testing import StringTransport
+from twisted.test import iosim
+
+from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused, TunnelRefused
+from ztwisted.h2.goaway import CLIENT_PREFACE, MAX_STREAM_ID, GoawayFilter, encode_goaway
+from ztwisted.splice import TCPEnd
+
+
+class RecordingEnd:
+    """The far side of a stream in tests: records what the stream delivers."""
+
+    def __init__(self):
+        self.data = b""
+        self.eof = False
+        self.aborted = False
+        self.paused = False
+
+    def set_partner(self, partner):
+        self.partner = partner
+
+    def write(self, data):
+        self.data += data
+
+    def write_eof(self):
+        self.eof = True
+
+    def abort(self):
+        self.aborted = True
+
+    def pauseProducing(self):
+        self.paused = True
+
+    def resumeProducing(self):
+        self.paused = False
+
+    def stopProducing(self):
+        pass
+
+
+class Pair:
+    def __init__(self, handler=None, server_settings=None, client_settings=None):
+        self.clock = task.Clock()
+        self.requests = []
+
+        def on_request(connection, stream):
+            self.requests.append(stream)
+            if handler is not None:
+                handler(stream)
+
+        self.client = HBONEConnection(client=True, clock=self.clock, settings=client_settings)
+        self.server = HBONEConnection(
+            client=False, clock=self.clock, on_tunnel_request=on_request, settings=server_settings
+        )
+        self.pump = iosim.connect(
+            self.server,
+            iosim.makeFakeServer(self.server),
+            self.client,
+            iosim.makeFakeClient(self.client),
+            greet=False,
+        )
+        self.pump.flush()
+
+    def flush(self):
+        self.pump.flush()
+
+
+def accept_and_record(stream):
+    far = RecordingEnd()
+    stream.accept()
+    stream.set_partner(far)
+    far.set_partner(stream)
+    stream.far = far
+
+
+def test_tunnel_carries_bytes_both_ways_and_half_close():
+    pair = Pair(handler=accept_and_record)
+    opened = pair.client.open_tunnel("127.0.0.1:8080", [("forwarded", 'for="127.0.0.2:1234"')])
+    pair.flush()
+    stream = opened.result if hasattr(opened, "result") else None
+    assert stream is not None and stream.stream_id == 1
+    server_stream = pair.requests[0]
+    assert server_stream.headers[":authority"] == "127.0.0.1:8080"
+    assert server_stream.headers["forwarded"] == 'for="127.0.0.2:1234"'
+    app = RecordingEnd()
+    stream.set_partner(app)
+    stream.write(b"hello")
+    stream.write_eof()
+    pair.flush()
+    assert server_stream.far.data == b"hello"
+    assert server_stream.far.eof
+    server_stream.write(b"world")
+    server_stream.write_eof()
+    pair.flush()
+    assert app.data == b"world" and app.eof
+    assert stream.finished.result == "closed"
+    assert server_stream.finished.result == "closed"
+    assert pair.client.streams == {} and pair.server.streams == {}
+
+
+def test_refused_connect_status_reaches_client():
+    pair = Pair(handler=lambda stream: stream.refuse(401))
+    opened = pair.client.open_tunnel("127.0.0.1:8080")
+    failures = []
+    opened.addErrback(failures.append)
+    pair.flush()
+    assert failures[0].check(TunnelRefused)
+    assert failures[0].value.status == 401
+
+
+def test_non_connect_request_gets_400():
+    pair = Pair(handler=accept_and_record)
+    stream_id = pair.client.h2.get_next_available_stream_id()
+    pair.client.h2.send_headers(
+        stream_id, [(":method", "GET"), (":scheme", "https"), (":path", "/"), (":authority", "x")], end_stream=True
+    )
+    pair.client._flush_h2()
+    events = []
+    original = pair.client._handle_event
+    pair.client._handle_event = lambda e: (events.append(e), original(e))
+    pair.flush()
+    statuses = [dict(e.headers)[":status"] for e in events if hasattr(e, "headers") and e.headers]
+    assert statuses == ["400"]
+    assert pair.requests == []
+
+
+def test_slow_reader_closes_the_window_instead_of_buffering():
+    pair = Pair(handler=accept_and_record, server_settings=H2Settings.server(stream_window=65535))
+    opened = pair.client.open_tunnel("127.0.0.1:8080")
+    pair.flush()
+    stream = opened.result
+    app = RecordingEnd()
+    stream.set_partner(app)
+    server_stream = pair.requests[0]
+    server_stream.far.pauseProducing = server_stream.pauseProducing  # keep wiring honest
+    server_stream.pauseProducing()  # the local workload stopped reading
+    for _ in range(100):
+        stream.write(b"x" * 16384)
+        pair.flush()
+    delivered = len(server_stream.far.data)
+    # Nothing beyond the first windows got through, and the client's app was paused.
+    assert delivered <= 65535 + 65535
+    assert app.paused
+    server_stream.resumeProducing()
+    for _ in range(200):
+        pair.flush()
+    assert len(server_stream.far.data) == 100 * 16384
+    assert not app.paused
+
+
+def test_graceful_drain_sends_two_goaways_and_lets_streams_finish():
+    pair = Pair(handler=accept_and_record)
+    opened = pair.client.open_tunnel("127.0.0.1:8080")
+    pair.flush()
+    stream = opened.result
+    app = RecordingEnd()
+    stream.set_partner(app)
+    drained = pair.server.drain(graceful=True, deadline=30)
+    pair.flush()
+    assert pair.client.goaway_received is not None
+    assert not pair.client.usable
+    assert pair.server.goaway_sent_last_stream_id == 1
+    # The stream in flight still carries data both ways.
+    stream.write(b"late data")
+    stream.write_eof()
+    server_stream = pair.requests[0]
+    server_stream.write(b"reply")
+    server_stream.write_eof()
+    pair.flush()
+    assert server_stream.far.data == b"late data"
+    assert app.data == b"reply"
+    assert drained.called
+    assert pair.server.close_reason == "drained"
+
+
+def test_stream_above_last_stream_id_is_refused_and_retryable():
+    pair = Pair(handler=accept_and_record)
+    first = pair.client.open_tunnel("127.0.0.1:8080")
+    pair.flush()
+    assert first.called
+    # Server already decided: last stream 1. The client has not seen it yet.
+    pair.server._send_goaway(1)
+    second = pair.client.open_tunnel("127.0.0.1:8080")
+    failures = []
+    second.addErrback(failures.append)
+    pair.flush()
+    assert failures and failures[0].check(StreamRefused)
+
+
+def test_keepalive_closes_connection_without_ping_answer():
+    clock = task.Clock()
+    conn = HBONEConnection(client=True, clock=clock)
+    transport = StringTransport()
+    conn.makeConnection(transport)
+    transport.clear()
+    clock.advance(10)
+    frames = decode_frames(transport.value())
+    assert any(isinstance(f, PingFrame) and "ACK" not in f.flags for f in frames)
+    clock.advance(19.9)
+    assert not transport.disconnecting
+    clock.advance(0.2)
+    assert conn.close_reason == "keepalive timeout"
+
+
+def decode_frames(data: bytes) -> list[Frame]:
+    frames = []
+    while len(data) >= 9:
+        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
+        frame.parse_body(memoryview(data[9 : 9 + length]))
+        frames.append(frame)
+        data = data[9 + length :]
+    return frames
+
+
+def test_goaway_filter_cuts_goaway_out_of_any_fragmentation():
+    ping = PingFrame(0)
+    ping.opaque_data = b"12345678"
+    rst = RstStreamFrame(1)
+    rst.error_code = 8
+    stream = CLIENT_PREFACE + ping.serialize() + encode_goaway(MAX_STREAM_ID, 0, b"bye") + rst.serialize()
+    for size in (1, 2, 5, 9, 10, 17, len(stream)):
+        filt = GoawayFilter(expect_client_preface=True)
+        passed, goaways = b"", []
+        for i in range(0, len(stream), size):
+            data, found = filt.feed(stream[i : i + size])
+            passed += data
+            goaways += found
+        assert passed == CLIENT_PREFACE + ping.serialize() + rst.serialize()
+        assert [(g.last_stream_id, g.debug_data) for g in goaways] == [(MAX_STREAM_ID, b"bye")]
+
+
+def test_encode_goaway_is_a_valid_frame():
+    frame = decode_frames(encode_goaway(7, 2, b"x"))[0]
+    assert isinstance(frame, GoAwayFrame)
+    assert (frame.last_stream_id, frame.error_code, frame.additional_data) == (7, 2, b"x")
+
+
+class HalfCloseableStringTransport(StringTransport):
+    write_closed = False
+
+    def loseWriteConnection(self):
+        self.write_closed = True
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_tcp_end_forwards_reset_only_when_unclean(clean):
+    end = TCPEnd()
+    far = RecordingEnd()
+    end.set_partner(far)
+    transport = HalfCloseableStringTransport()
+    end.makeConnection(transport)
+    if clean:
+        end.readConnectionLost()
+        end.write_eof()
+    from twisted.python.failure import Failure
+    from twisted.internet import error
+
+    end.connectionLost(Failure(error.ConnectionDone()))
+    assert far.aborted is (not clean)

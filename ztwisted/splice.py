@@ -1,0 +1,144 @@
+"""Coupling two pipe ends (app TCP sockets, HBONE streams) with backpressure and half-close."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from twisted.internet import defer, error
+from twisted.internet.interfaces import IHalfCloseableProtocol
+from twisted.internet.protocol import Protocol
+from zope.interface import implementer
+
+from ztwisted.interfaces import IPipeEnd
+
+
+@implementer(IPipeEnd, IHalfCloseableProtocol)
+class TCPEnd(Protocol):
+    """A TCP connection as a pipe end.
+
+    Also usable without being the transport's protocol: ``attach(transport)``
+    plus forwarding ``dataReceived``/``readConnectionLost``/``connectionLost``
+    (the SOCKS5 protocol does that after its handshake).
+    """
+
+    def __init__(self) -> None:
+        self.partner = None
+        self.finished: defer.Deferred = defer.Deferred()
+        self.connected_deferred: defer.Deferred = defer.Deferred()
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self._pending: list[bytes] = []
+        self._pending_eof = False
+        self._read_closed = False
+        self._write_closed = False
+        self._aborted = False
+        self._done = False
+
+    # -- Protocol -------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        if self.partner is not None:
+            self.transport.registerProducer(self.partner, True)
+        pending, self._pending = self._pending, []
+        for data in pending:
+            self.write(data)
+        if self._pending_eof:
+            self.write_eof()
+        if not self.connected_deferred.called:
+            self.connected_deferred.callback(self)
+
+    attach = Protocol.makeConnection
+
+    def dataReceived(self, data: bytes) -> None:
+        self.bytes_received += len(data)
+        self.partner.write(data)
+
+    def readConnectionLost(self) -> None:
+        self._read_closed = True
+        self.partner.write_eof()
+        self._close_if_both_done()
+
+    def writeConnectionLost(self) -> None:
+        self._write_closed = True
+        self._close_if_both_done()
+
+    def connectionLost(self, reason=None) -> None:
+        clean = self._read_closed and self._write_closed and not self._aborted
+        if not clean and self.partner is not None:
+            self.partner.abort()
+        if self._done:
+            return
+        self._done = True
+        if clean:
+            outcome = "closed"
+        elif self._aborted:
+            outcome = "reset"
+        elif reason is not None and reason.check(error.ConnectionDone):
+            outcome = "closed early"
+        else:
+            outcome = "reset by peer"
+        self.finished.callback(outcome)
+
+    # -- IPipeEnd ---------------------------------------------------------------
+
+    def set_partner(self, partner) -> None:
+        self.partner = partner
+        if self.transport is not None:
+            self.transport.registerProducer(partner, True)
+
+    def write(self, data: bytes) -> None:
+        if self.transport is None:
+            self._pending.append(data)
+            return
+        if self._write_closed or self._done:
+            return
+        self.bytes_sent += len(data)
+        self.transport.write(data)
+
+    def write_eof(self) -> None:
+        if self.transport is None:
+            self._pending_eof = True
+            return
+        if self._write_closed or self._done:
+            return
+        self._write_closed = True
+        self.transport.loseWriteConnection()
+        self._close_if_both_done()
+
+    def abort(self) -> None:
+        if self._done or self._aborted:
+            return
+        self._aborted = True
+        if self.transport is None:
+            return
+        # SO_LINGER 0 makes the close send RST: the app sees a reset, as it would without the proxy.
+        try:
+            self.transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except (AttributeError, OSError):
+            pass
+        self.transport.abortConnection()
+
+    def pauseProducing(self) -> None:
+        if self.transport is not None and not self._done:
+            self.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        if self.transport is not None and not self._done:
+            self.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        # Twisted calls this when the partner's transport goes away, clean or
+        # not; the partner's connectionLost says which and aborts us if needed.
+        pass
+
+    def _close_if_both_done(self) -> None:
+        if self._read_closed and self._write_closed and not self._done:
+            self.transport.loseConnection()
+
+
+def splice(a, b) -> defer.Deferred:
+    """Couple two pipe ends; fires with ``(outcome_a, outcome_b)`` when both are finished."""
+    a.set_partner(b)
+    b.set_partner(a)
+    return defer.gatherResults([a.finished, b.finished], consumeErrors=True)

@@ -1,0 +1,168 @@
+"""Log output: JSON lines or Twisted text, and ztunnel-style access-log events.
+
+An access-log event has namespace ``access``, the message "connection
+complete" and ztunnel's field names (``src.addr``, ``dst.hbone_addr``,
+``bytes_sent``...). Its level is info, or error when an ``error`` is given
+(as ztunnel does).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import IO, Any
+
+from twisted.logger import (
+    ILogObserver,
+    Logger,
+    LogLevel,
+    formatEvent,
+    formatEventAsClassicLogText,
+)
+from zope.interface import implementer
+
+ACCESS_NAMESPACE = "access"
+ACCESS_MESSAGE = "connection complete"
+
+# ztunnel's access-log fields, in its order.
+ACCESS_FIELDS = (
+    "src.addr", "src.workload", "src.namespace", "src.identity",
+    "dst.addr", "dst.hbone_addr", "dst.service", "dst.workload", "dst.namespace", "dst.identity",
+    "direction", "bytes_sent", "bytes_recv", "duration", "error",
+)
+
+_CORE_KEYS = ("time", "level", "scope", "message", "error")
+# Keys a twisted.python.log (legacy) event carries that formatEvent already used.
+_LEGACY_KEYS = frozenset({"message", "format", "isError", "failure", "why", "time"})
+
+
+def _rfc3339(timestamp: float | None) -> str:
+    """RFC 3339 UTC with microseconds, e.g. ``2024-05-01T12:00:00.123456Z``."""
+    micros = round((time.time() if timestamp is None else timestamp) * 1_000_000)
+    seconds, micro = divmod(micros, 1_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micro:06d}Z"
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
+
+
+def _level_name(event: dict[str, Any]) -> str:
+    return getattr(event.get("log_level"), "name", "info")
+
+
+def event_as_flat_dict(event: dict[str, Any]) -> dict[str, Any]:
+    """The flat object the JSON observer writes for ``event``."""
+    flat: dict[str, Any] = {
+        "time": _rfc3339(event.get("log_time")),
+        "level": _level_name(event),
+        "scope": event.get("log_namespace") or "-",
+        "message": formatEvent(event),
+    }
+    legacy = event.get("log_namespace") == "log_legacy" or "isError" in event
+    for key, value in event.items():
+        if key.startswith("log_") or key in _CORE_KEYS or (legacy and key in _LEGACY_KEYS):
+            continue
+        flat[key] = _jsonable(value)
+    failure = event.get("log_failure")
+    if failure is not None:
+        flat["error"] = failure.getTraceback()
+    elif "error" in event:
+        flat["error"] = _jsonable(event["error"])
+    return flat
+
+
+@implementer(ILogObserver)
+class _FileObserver:
+    def __init__(self, out_file: IO[str], render: Any) -> None:
+        self._out = out_file
+        self._render = render
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        text = self._render(event)
+        if text:
+            self._out.write(text)
+            flush = getattr(self._out, "flush", None)
+            if flush is not None:
+                flush()
+
+
+def _json_line(event: dict[str, Any]) -> str:
+    return json.dumps(event_as_flat_dict(event), allow_nan=False) + "\n"
+
+
+def json_observer(out_file: IO[str]) -> ILogObserver:
+    """One flat JSON object per line: time, level, scope, message, fields, error."""
+    return _FileObserver(out_file, _json_line)
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    if not text or any(c.isspace() or c in '"=\\' for c in text):
+        return json.dumps(text)
+    return text
+
+
+def _classic_line(event: dict[str, Any]) -> str | None:
+    text = formatEventAsClassicLogText(event)
+    if text is None or event.get("log_namespace") != ACCESS_NAMESPACE:
+        return text
+    fields = " ".join(f"{key}={_quote(value)}" for key, value in event.items()
+                      if not key.startswith("log_") and value is not None)
+    return f"{text.rstrip(chr(10))} {fields}\n" if fields else text
+
+
+def text_observer(out_file: IO[str]) -> ILogObserver:
+    """Twisted's classic text lines; access-log lines also get ``key=value`` fields."""
+    return _FileObserver(out_file, _classic_line)
+
+
+def observer_for(fmt: str, out_file: IO[str]) -> ILogObserver:
+    """The observer for a ``--log-format`` value: "json" or "text"."""
+    if fmt == "json":
+        return json_observer(out_file)
+    if fmt == "text":
+        return text_observer(out_file)
+    raise ValueError(f"unknown log format {fmt!r}: expected 'json' or 'text'")
+
+
+def _field_name(name: str) -> str:
+    """``src_addr`` -> ``src.addr``, so callers can pass plain keyword arguments."""
+    for prefix in ("src_", "dst_"):
+        if name.startswith(prefix):
+            return prefix[:-1] + "." + name[len(prefix):]
+    return name
+
+
+def format_duration(seconds: float) -> str:
+    """ztunnel's duration rendering: whole milliseconds with an ``ms`` suffix."""
+    return f"{int(seconds * 1000)}ms"
+
+
+def access_log(log: Logger, **fields: Any) -> None:
+    """Emit one "connection complete" access-log event through ``log``'s observer.
+
+    Field names are ztunnel's; ``src_addr=`` is accepted for ``src.addr``.
+    ``duration`` is seconds (a number) and is rendered like ztunnel ("12ms");
+    a string is passed through. Fields that are None are left out. An
+    ``error`` makes the event error-level.
+    """
+    event: dict[str, Any] = {}
+    for name, value in fields.items():
+        if value is None:
+            continue
+        key = _field_name(name)
+        if key == "duration" and isinstance(value, (int, float)):
+            value = format_duration(value)
+        event[key] = value
+    if "direction" in event and event["direction"] not in ("inbound", "outbound"):
+        raise ValueError(f"direction must be 'inbound' or 'outbound', not {event['direction']!r}")
+    ordered = {key: event.pop(key) for key in ACCESS_FIELDS if key in event}
+    ordered.update(event)
+    level = LogLevel.error if "error" in ordered else LogLevel.info
+    access = Logger(namespace=ACCESS_NAMESPACE, source=log.source, observer=log.observer)
+    access.emit(level, ACCESS_MESSAGE, **ordered)

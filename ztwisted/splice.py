@@ -103,6 +103,9 @@ class TCPEnd(Protocol):
         if self._write_closed or self._done:
             return
         self._write_closed = True
+        # Twisted defers a half-close until the producer is unregistered, and
+        # no more data will come from the partner anyway.
+        self.transport.unregisterProducer()
         self.transport.loseWriteConnection()
         self._close_if_both_done()
 

@@ -1,10 +1,156 @@
+"""``twistd ztunnel``: options and the service tree of one node proxy."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from twisted.application import service, strports
+from twisted.internet import reactor as global_reactor
+from twisted.logger import ILogObserver, Logger
 from twisted.python import usage
-from twisted.application import service
+from twisted.web.server import Site
+
+from ztwisted import __version__
+from ztwisted.admin import admin_resource, metrics_resource, readiness_resource
+from ztwisted.ca import CAError, CertificateAuthority
+from ztwisted.config import ConfigError, ConfigWatcher, builtin_example_path, load_config
+from ztwisted.logs import observer_for
+from ztwisted.metrics import Metrics
+from ztwisted.node import Node, drain_timeout_from_environment
+
+log = Logger()
+
+
+def default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "ztwisted")
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise ValueError(f"{value} is not a TCP port")
+    return port
 
 
 class Options(usage.Options):
-    optParameters = []
+    synopsis = "[options]"
+    longdesc = (
+        "An HBONE node proxy compatible with Istio's ztunnel. Without --config it runs a built-in "
+        "example mesh (see the README); without --ca-dir it makes a development CA in --state-dir."
+    )
+    optParameters = [
+        ["config", "c", None, "ztunnel local config YAML (LOCAL_XDS_PATH format); reloaded when it changes."],
+        ["node", None, None, "Node name: workloads whose `node` equals it are local (default: every workload)."],
+        ["state-dir", None, None, "Directory for state such as the development CA (default: $XDG_STATE_HOME/ztwisted)."],
+        ["ca-dir", None, None, "Istio plug-in CA directory (ca-cert.pem, ca-key.pem, root-cert.pem, cert-chain.pem)."],
+        ["socks5", None, "tcp:15080:interface=127.0.0.1", "SOCKS5 outbound listener (endpoint description)."],
+        ["outbound", None, "tcp:15001", "Redirected outbound listener (endpoint description)."],
+        ["admin", None, "tcp:15000:interface=127.0.0.1", "Admin listener: /config_dump, POST /quitquitquit."],
+        ["metrics", None, "tcp:15020", "Prometheus metrics listener: /metrics, /stats/prometheus."],
+        ["readiness", None, "tcp:15021", "Readiness listener: /healthz/ready."],
+        ["hbone-port", None, 15008, "HBONE inbound port, bound on each local workload IP.", _port],
+        ["inbound-plaintext-port", None, 15006, "Plaintext inbound port, bound on each local workload IP.", _port],
+        ["log-format", None, "text", "Log format: json or text."],
+        ["drain-timeout", None, None, "Seconds to wait for connections when the proxy stops "
+         "(default: from TERMINATION_GRACE_PERIOD_SECONDS as ztunnel does, else 5)."],
+        ["connect-timeout", None, 10.0, "Seconds to connect to a peer (TCP and TLS).", float],
+    ]
+
+    def opt_version(self):
+        print(f"ztwisted {__version__}")
+        sys.exit(0)
+
+    def postOptions(self) -> None:
+        if self["log-format"] not in ("json", "text"):
+            raise usage.UsageError(f"--log-format must be json or text, not {self['log-format']!r}")
+        if self["drain-timeout"] is not None:
+            try:
+                self["drain-timeout"] = float(self["drain-timeout"])
+            except ValueError:
+                raise usage.UsageError(f"--drain-timeout must be a number of seconds, not {self['drain-timeout']!r}")
+        else:
+            self["drain-timeout"] = drain_timeout_from_environment()
+        if self["state-dir"] is None:
+            self["state-dir"] = default_state_dir()
+        try:
+            self.mesh = load_config(self["config"] or builtin_example_path())
+        except ConfigError as e:
+            raise usage.UsageError(str(e))
+        try:
+            if self["ca-dir"]:
+                self.certificate_authority = CertificateAuthority.load(self["ca-dir"])
+            else:
+                self.certificate_authority = CertificateAuthority.load_or_create_dev(self["state-dir"])
+        except CAError as e:
+            raise usage.UsageError(str(e))
+        if self["node"] and not self.mesh.local_workloads(self["node"]):
+            log.warn("no workload in the configuration has node {node!r}", node=self["node"])
 
 
-def makeService(config, reactor=None):
-    return service.MultiService()
+class ProxyService(service.MultiService):
+    """The root service; also picks the log format when twistd attaches it to the application."""
+
+    def __init__(self, log_format: str):
+        super().__init__()
+        self.log_format = log_format
+
+    def setServiceParent(self, parent):
+        if self.log_format == "json" and hasattr(parent, "setComponent"):
+            parent.setComponent(ILogObserver, observer_for("json", sys.stdout))
+        return super().setServiceParent(parent)
+
+
+class _ConfigWatchService(service.Service):
+    def __init__(self, watcher: ConfigWatcher):
+        self.watcher = watcher
+
+    def startService(self):
+        super().startService()
+        self.watcher.start()
+
+    def stopService(self):
+        self.watcher.stop()
+        return super().stopService()
+
+
+def makeService(config: Options, reactor=global_reactor) -> service.IService:
+    metrics = Metrics()
+    root = ProxyService(config["log-format"])
+    node = Node(
+        reactor,
+        mesh=config.mesh,
+        node_name=config["node"],
+        certificate_authority=config.certificate_authority,
+        metrics=metrics,
+        hbone_port=config["hbone-port"],
+        plaintext_port=config["inbound-plaintext-port"],
+        connect_timeout=config["connect-timeout"],
+        drain_timeout=config["drain-timeout"],
+        config_source=config["config"] or "<built-in example>",
+    )
+    node.setServiceParent(root)
+    for description, factory in [
+        (config["socks5"], node.outbound.socks5_factory()),
+        (config["outbound"], node.outbound.redirect_factory()),
+        (config["admin"], Site(admin_resource(node, reactor))),
+        (config["metrics"], Site(metrics_resource(metrics))),
+        (config["readiness"], Site(readiness_resource(node))),
+    ]:
+        if description and description != "none":
+            strports.service(description, factory, reactor=reactor).setServiceParent(node)
+    if config["config"]:
+
+        def reloaded(mesh):
+            metrics.config_reloads.inc()
+            log.info("configuration reloaded from {path}", path=config["config"])
+            node.apply_mesh(mesh)
+
+        def rejected(error):
+            metrics.config_reload_errors.inc()
+            log.error("configuration change rejected, keeping the last good one: {error}", error=str(error))
+
+        watcher = ConfigWatcher(config["config"], reloaded, rejected, reactor, current=config.mesh)
+        _ConfigWatchService(watcher).setServiceParent(root)
+    return root

@@ -476,14 +476,19 @@ class HBONEConnection(Protocol):
                 stream.reset(h2.errors.ErrorCodes.CANCEL)
             self._flush_h2()
             self.close_reason = "drain deadline"
-            self.transport.loseConnection()
+            self._close_with_close_notify()
 
     def _close_when_idle(self) -> None:
         if self._draining and not self.streams and self._connected:
             if self.close_reason is None:
                 self.close_reason = "drained"
-            self._flush_h2()
-            self.transport.loseConnection()
+            self._close_with_close_notify()
+
+    def _close_with_close_notify(self) -> None:
+        self._flush_h2()
+        # TLSMemoryBIOProtocol sends close_notify only once no producer is registered.
+        self.transport.unregisterProducer()
+        self.transport.loseConnection()
 
     def _send_goaway(self, last_stream_id: int, error_code: int = 0) -> None:
         self._flush_h2()
@@ -579,6 +584,12 @@ class HBONEConnection(Protocol):
                 targets = [stream] if stream is not None else []
             if not self._transport_paused:
                 for stream in targets:
+                    stream._flush(self.h2)
+        elif isinstance(event, h2.events.RemoteSettingsChanged):
+            # A larger INITIAL_WINDOW_SIZE opens every stream's window without
+            # any WINDOW_UPDATE frame: buffered data must go out now.
+            if not self._transport_paused:
+                for stream in list(self.streams.values()):
                     stream._flush(self.h2)
         elif isinstance(event, h2.events.PingAckReceived):
             on_answer = self._pending_pings.pop(event.ping_data, None)

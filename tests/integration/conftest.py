@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.support import EchoServer
+from ztwisted.harness import NodeProcess
+
+CLIENT_IP = "127.0.2.1"
+SERVER_IP = "127.0.3.1"
+ECHO_VIP = "127.10.0.1"
+
+TWO_NODE_MESH = textwrap.dedent(
+    f"""
+    workloads:
+    - uid: cluster1//v1/Pod/default/client
+      name: client
+      namespace: default
+      serviceAccount: client
+      workloadIps: ["{CLIENT_IP}"]
+      protocol: HBONE
+      node: node-a
+    - uid: cluster1//v1/Pod/default/echo
+      name: echo
+      namespace: default
+      serviceAccount: echo
+      workloadIps: ["{SERVER_IP}"]
+      protocol: HBONE
+      node: node-b
+      services: {{"default/echo.default.svc.cluster.local": {{80: 8080}}}}
+    - uid: cluster1//v1/Pod/default/sink
+      name: sink
+      namespace: default
+      serviceAccount: sink
+      workloadIps: ["127.0.3.2"]
+      protocol: HBONE
+      node: node-b
+    services:
+    - name: echo
+      namespace: default
+      hostname: echo.default.svc.cluster.local
+      vips: ["/{ECHO_VIP}"]
+      ports: {{80: 8080}}
+    """
+)
+
+
+class TwoNodes:
+    def __init__(self, tmp_path, mesh_text: str = TWO_NODE_MESH):
+        self.config = tmp_path / "mesh.yaml"
+        self.config.write_text(mesh_text)
+        state = tmp_path / "state"
+        self.a = NodeProcess(tmp_path / "a", name="node-a", control_ip="127.0.2.254", config=self.config, node="node-a", state_dir=state)
+        self.b = NodeProcess(tmp_path / "b", name="node-b", control_ip="127.0.3.254", config=self.config, node="node-b", state_dir=state)
+
+    def start(self):
+        self.b.start()
+        self.a.start()
+        return self
+
+    def stop(self):
+        for node in (self.a, self.b):
+            try:
+                node.stop()
+            except RuntimeError:
+                node.kill()
+
+
+@pytest.fixture
+def echo_app():
+    server = EchoServer(SERVER_IP, 8080)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def two_nodes(tmp_path, echo_app):
+    nodes = TwoNodes(tmp_path).start()
+    yield nodes
+    nodes.stop()

@@ -1,0 +1,205 @@
+"""Run ztwisted nodes as real ``twistd`` processes: for integration tests, benchmarks and the lab.
+
+Each node gets its own loopback address for its admin, metrics, readiness,
+SOCKS5 and redirect listeners, so several nodes share one machine with the
+standard port numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def twistd_command() -> list[str]:
+    twistd = shutil.which("twistd", path=os.path.dirname(sys.executable)) or shutil.which("twistd")
+    if twistd is None:
+        return [sys.executable, "-m", "twisted"]
+    return [twistd]
+
+
+class NodeProcess:
+    """One ``twistd -n ztunnel`` process."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        name: str,
+        control_ip: str,
+        config: Path | None = None,
+        node: str | None = None,
+        state_dir: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict | None = None,
+    ):
+        self.workdir = Path(workdir)
+        self.name = name
+        self.control_ip = control_ip
+        self.config = config
+        self.node = node
+        self.state_dir = Path(state_dir or self.workdir / "state")
+        self.extra_args = tuple(extra_args)
+        self.env = env
+        self.log_path = self.workdir / f"{name}.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def socks5(self) -> tuple[str, int]:
+        return (self.control_ip, 15080)
+
+    def command(self) -> list[str]:
+        ip = self.control_ip
+        args = twistd_command() + ["-n", "--pidfile=", "ztunnel", "--state-dir", str(self.state_dir), "--log-format", "json"]
+        args += [
+            f"--socks5=tcp:15080:interface={ip}",
+            f"--outbound=tcp:15001:interface={ip}",
+            f"--admin=tcp:15000:interface={ip}",
+            f"--metrics=tcp:15020:interface={ip}",
+            f"--readiness=tcp:15021:interface={ip}",
+        ]
+        if self.config is not None:
+            args += ["--config", str(self.config)]
+        if self.node is not None:
+            args += ["--node", self.node]
+        return args + list(self.extra_args)
+
+    def start(self, timeout: float = 20.0) -> "NodeProcess":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(self.env or {})
+        self._log_file = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.command(), cwd=self.workdir, stdout=self._log_file, stderr=subprocess.STDOUT, env=env
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"node {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if self.http("readiness", "/healthz/ready")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"node {self.name} not ready within {timeout} s:\n{self.log_tail()}")
+
+    def http(self, listener: str, path: str, method: str = "GET") -> tuple[int, bytes]:
+        port = {"admin": 15000, "metrics": 15020, "readiness": 15021}[listener]
+        request = urllib.request.Request(f"http://{self.control_ip}:{port}{path}", method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def config_dump(self) -> dict:
+        return json.loads(self.http("admin", "/config_dump")[1])
+
+    def metrics(self) -> str:
+        return self.http("metrics", "/metrics")[1].decode()
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            head, _, value = line.rpartition(" ")
+            metric_name = head.split("{", 1)[0]
+            if metric_name != name:
+                continue
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def log_events(self) -> list[dict]:
+        events = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    pass
+        return events
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.process.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"node {self.name} did not stop within {timeout} s:\n{self.log_tail()}")
+        finally:
+            self._log_file.close()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def socks5_connect(proxy: tuple[str, int], source_ip: str, host: str, port: int, timeout: float = 10.0) -> socket.socket:
+    """A socket connected through a SOCKS5 proxy, leaving from ``source_ip`` (the workload's address)."""
+    sock = socket.create_connection(proxy, timeout=timeout, source_address=(source_ip, 0))
+    try:
+        sock.sendall(b"\x05\x01\x00")
+        if _recv_exact(sock, 2) != b"\x05\x00":
+            raise ConnectionError("SOCKS5 proxy refused the no-auth method")
+        try:
+            address = b"\x01" + socket.inet_aton(host)
+        except OSError:
+            encoded = host.encode()
+            address = b"\x03" + bytes([len(encoded)]) + encoded
+        sock.sendall(b"\x05\x01\x00" + address + struct.pack("!H", port))
+        reply = _recv_exact(sock, 4)
+        if reply[1] != 0:
+            raise Socks5Refused(reply[1])
+        atyp = reply[3]
+        _recv_exact(sock, {1: 4, 4: 16}.get(atyp, 0) + 2 if atyp != 3 else _recv_exact(sock, 1)[0] + 2)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Socks5Refused(ConnectionError):
+    def __init__(self, code: int):
+        super().__init__(f"SOCKS5 reply {code:#04x}")
+        self.code = code
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("connection closed during SOCKS5 handshake")
+        data += chunk
+    return data

@@ -1,0 +1,196 @@
+"""Inbound: HBONE (15008) and plaintext (15006) listeners of one local workload."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
+
+from ztwisted.authz import authorize
+from ztwisted.h2.connection import HBONEConnection, Stream
+from ztwisted.hbone.tracking import ConnectionRecord
+from ztwisted.metrics import ConnectionLabels
+from ztwisted.sockets import connect_tcp, original_destination
+from ztwisted.splice import TCPEnd, splice
+from ztwisted.tls import ServerTLS, peer_identity
+
+log = Logger()
+
+
+def parse_authority(authority: str) -> tuple[str, int] | None:
+    """``ip:port`` or ``[ipv6]:port`` -> (ip, port); None when it is neither."""
+    host, sep, port_text = authority.rpartition(":")
+    if not sep or not port_text.isdigit():
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    port = int(port_text)
+    if not 0 < port < 65536:
+        return None
+    return str(ip), port
+
+
+class InboundHBONE:
+    """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
+
+    def __init__(self, node, workload):
+        self.node = node
+        self.workload = workload
+        self.connections: set[HBONEConnection] = set()
+        self._tls = ServerTLS(lambda: node.certificates.get(workload.identity), trust_domain=workload.trust_domain)
+
+    def factory(self) -> TLSMemoryBIOFactory:
+        return TLSMemoryBIOFactory(self._tls, False, _ConnectionFactory(self))
+
+    def _connection_made(self, connection: HBONEConnection) -> None:
+        self.connections.add(connection)
+        connection.closed.addBoth(lambda reason: self.connections.discard(connection))
+        connection.ready.addErrback(self._handshake_failed, connection)
+
+    def _handshake_failed(self, failure, connection: HBONEConnection) -> None:
+        self.node.metrics.tls_handshake_failures.labels(reason="inbound").inc()
+        log.info(
+            "inbound TLS handshake to {workload} from {peer} failed: {why}",
+            workload=self.workload.name,
+            peer=connection._peer_text(),
+            why=failure.getErrorMessage(),
+        )
+
+    def _tunnel_requested(self, connection: HBONEConnection, stream: Stream) -> None:
+        mesh = self.node.mesh
+        authority = stream.headers.get(":authority", "")
+        source_ip = connection.transport.getPeer().host
+        source_identity = connection.peer_identity
+        record = ConnectionRecord(
+            self.node.metrics,
+            self.node.reactor,
+            ConnectionLabels.for_connection(
+                "destination",
+                source=mesh.workload_by_ip(source_ip),
+                destination=self.workload,
+                source_identity=source_identity,
+                destination_identity=self.workload.identity,
+                mutual_tls=True,
+            ),
+            **{
+                "direction": "inbound",
+                "src.addr": stream.headers.get("forwarded", source_ip),
+                "src.identity": str(source_identity),
+                "dst.addr": authority,
+                "dst.workload": self.workload.name,
+                "dst.namespace": self.workload.namespace,
+                "dst.identity": str(self.workload.identity),
+            },
+        )
+        target = parse_authority(authority)
+        if target is None:
+            record.refused("-", f"bad authority {authority!r}")
+            stream.refuse(400)
+            return
+        ip, port = target
+        if ipaddress.ip_address(ip) not in self.workload.workload_ips:
+            record.refused("-", f"{ip} is not a workload served here")
+            stream.refuse(400)
+            return
+        decision = authorize(
+            mesh.policies,
+            source=source_identity,
+            source_ip=ipaddress.ip_address(source_ip),
+            destination=self.workload,
+            destination_ip=ipaddress.ip_address(ip),
+            destination_port=port,
+        )
+        if not decision.allowed:
+            record.refused("DENY", f"denied by policy {decision.policy}")
+            stream.refuse(401)
+            return
+        app = TCPEnd()
+        connecting = connect_tcp(self.node.reactor, ip, port, Factory.forProtocol(lambda: app))
+
+        def connected(_):
+            stream.accept()
+            record.finish_when_done(splice(stream, app), stream, app)
+
+        def failed(failure):
+            record.refused("CONNECT", f"connect to {ip}:{port} failed: {failure.getErrorMessage()}")
+            stream.refuse(503)
+
+        connecting.addCallbacks(connected, failed)
+
+
+class _ConnectionFactory(Factory):
+    def __init__(self, inbound: InboundHBONE):
+        self.inbound = inbound
+
+    def buildProtocol(self, addr):
+        node = self.inbound.node
+        connection = HBONEConnection(
+            client=False,
+            clock=node.reactor,
+            settings=node.server_h2_settings,
+            on_tunnel_request=self.inbound._tunnel_requested,
+            get_peer_identity=peer_identity,
+        )
+        self.inbound._connection_made(connection)
+        return connection
+
+
+class InboundPlaintext(Factory):
+    """15006: traffic to a local workload from outside the mesh, redirected here by iptables."""
+
+    def __init__(self, node, workload):
+        self.node = node
+        self.workload = workload
+
+    def buildProtocol(self, addr):
+        return _PlaintextInbound(self)
+
+
+class _PlaintextInbound(TCPEnd):
+    def __init__(self, factory: InboundPlaintext):
+        super().__init__()
+        self.inbound = factory
+
+    def connectionMade(self) -> None:
+        self.transport.pauseProducing()
+        node, workload = self.inbound.node, self.inbound.workload
+        destination = original_destination(self.transport)
+        local = self.transport.getHost()
+        peer = self.transport.getPeer()
+        if destination is None or destination == (local.host, local.port):
+            log.warn(
+                "plaintext inbound connection from {peer} to {workload} was not redirected: no original destination",
+                peer=f"{peer.host}:{peer.port}",
+                workload=workload.name,
+            )
+            self.transport.loseConnection()
+            return
+        ip, port = destination
+        if ipaddress.ip_address(ip) not in workload.workload_ips:
+            log.warn("plaintext inbound to {ip}: not workload {workload}", ip=ip, workload=workload.name)
+            self.transport.loseConnection()
+            return
+        record = ConnectionRecord(
+            node.metrics,
+            node.reactor,
+            ConnectionLabels.for_connection("destination", destination=workload, destination_identity=workload.identity),
+            **{"direction": "inbound", "src.addr": f"{peer.host}:{peer.port}", "dst.addr": f"{ip}:{port}", "dst.workload": workload.name},
+        )
+        upstream = TCPEnd()
+
+        def connected(_):
+            record.finish_when_done(splice(self, upstream), self, upstream)
+            self.transport.resumeProducing()
+
+        def failed(failure):
+            record.refused("CONNECT", failure.getErrorMessage())
+            self.abort()
+
+        connect_tcp(node.reactor, ip, port, Factory.forProtocol(lambda: upstream)).addCallbacks(connected, failed)
+        super().connectionMade()

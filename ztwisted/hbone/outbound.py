@@ -1,0 +1,226 @@
+"""Outbound: app connections (SOCKS5 15080, redirected 15001) to HBONE tunnels or plain TCP."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from twisted.internet import defer, error
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
+
+from ztwisted.h2.connection import ConnectionGone, HBONEConnection, TunnelError, TunnelRefused
+from ztwisted.hbone.pool import ConnectionPool, PoolKey
+from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory
+from ztwisted.hbone.tracking import ConnectionRecord
+from ztwisted.metrics import ConnectionLabels
+from ztwisted.sockets import connect_tcp, original_destination
+from ztwisted.splice import TCPEnd, splice
+from ztwisted.tls import ClientTLS, peer_identity
+
+log = Logger()
+
+HBONE_PORT = 15008
+
+
+class OutboundRefused(Exception):
+    """An outbound connection that the proxy will not carry; ``reply`` is the SOCKS5 code."""
+
+    def __init__(self, reply: int, message: str):
+        super().__init__(message)
+        self.reply = reply
+
+
+class Outbound:
+    """Routes an app's connection: resolve, then HBONE through the pool or plain TCP."""
+
+    def __init__(self, node):
+        self.node = node
+        self.pool = ConnectionPool(
+            node.reactor,
+            self._connect_hbone,
+            connect_timeout=node.connect_timeout,
+            on_connection_opened=lambda key, connection: node.metrics.pool_connections_opened.inc(),
+        )
+
+    def connect(self, app: TCPEnd, source: tuple[str, int], host: str, port: int) -> defer.Deferred:
+        """Open the upstream for ``app`` and splice them; fires when the upstream is open."""
+        return defer.Deferred.fromCoroutine(self._connect(app, source, host, port))
+
+    async def _connect(self, app, source, host, port):
+        node = self.node
+        source_ip, source_port = source
+        source_workload = node.local_workload_by_ip(source_ip)
+        if source_workload is None:
+            log.warn("refusing outbound connection from {source}: no local workload has that address", source=source_ip)
+            raise OutboundRefused(Reply.NOT_ALLOWED, f"{source_ip} is not a local workload")
+        ip = self._resolve_host(host)
+        destination = node.mesh.resolve(ip, port)
+        if destination.kind == "unroutable":
+            raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
+        target = destination.workload
+        hbone = target is not None and target.protocol == "HBONE"
+        record = ConnectionRecord(
+            node.metrics,
+            node.reactor,
+            ConnectionLabels.for_connection(
+                "source",
+                source=source_workload,
+                destination=target,
+                service=destination.service,
+                source_identity=source_workload.identity,
+                destination_identity=target.identity if target is not None else None,
+                mutual_tls=hbone,
+            ),
+            **{
+                "direction": "outbound",
+                "src.addr": f"{source_ip}:{source_port}",
+                "src.workload": source_workload.name,
+                "src.namespace": source_workload.namespace,
+                "src.identity": str(source_workload.identity),
+                "dst.addr": f"{destination.ip}:{destination.port}",
+                "dst.hbone_addr": f"{destination.ip}:{HBONE_PORT}" if hbone else None,
+                "dst.service": destination.service.hostname if destination.service is not None else None,
+                "dst.workload": target.name if target is not None else None,
+                "dst.namespace": target.namespace if target is not None else None,
+                "dst.identity": str(target.identity) if hbone else None,
+            },
+        )
+        try:
+            if hbone:
+                upstream = await self._open_tunnel(source_workload, source, destination)
+            else:
+                upstream = TCPEnd()
+                await connect_tcp(
+                    node.reactor,
+                    str(destination.ip),
+                    destination.port,
+                    Factory.forProtocol(lambda: upstream),
+                    source_ip=source_ip,
+                    timeout=node.connect_timeout,
+                )
+        except Exception as e:
+            record.refused("CONNECT", str(e))
+            raise _as_refusal(e) from e
+        record.finish_when_done(splice(app, upstream), app, upstream)
+        return upstream
+
+    def _resolve_host(self, host: str):
+        try:
+            return ipaddress.ip_address(host)
+        except ValueError:
+            pass
+        service = self.node.mesh.service_by_hostname(host)
+        if service is None or not service.vips:
+            raise OutboundRefused(Reply.HOST_UNREACHABLE, f"no service has the hostname {host!r}")
+        return service.vips[0][1]
+
+    def _open_tunnel(self, source_workload, source, destination) -> defer.Deferred:
+        expected = {str(destination.workload.identity)}
+        if destination.service is not None:
+            expected.update(destination.service.subject_alt_names)
+        key = PoolKey(
+            source_identity=str(source_workload.identity),
+            destination_identities=expected,
+            destination=(str(destination.ip), HBONE_PORT),
+            source_ip=source[0],
+        )
+        authority = _authority(str(destination.ip), destination.port)
+        headers = [("forwarded", f'for="{_authority(*source)}"')]
+        baggage = _baggage(source_workload)
+        if baggage:
+            headers.append(("baggage", baggage))
+        return self.pool.open_tunnel(key, authority, headers)
+
+    def _connect_hbone(self, key: PoolKey) -> defer.Deferred:
+        node = self.node
+        certificate = node.certificates.get(key.source_identity)
+        creator = ClientTLS(certificate, key.destination_identities)
+        connection = HBONEConnection(
+            client=True,
+            clock=node.reactor,
+            settings=node.client_h2_settings,
+            get_peer_identity=peer_identity,
+        )
+        factory = TLSMemoryBIOFactory(creator, True, Factory.forProtocol(lambda: connection))
+        ip, port = key.destination
+        connecting = connect_tcp(node.reactor, ip, port, factory, source_ip=key.source_ip, timeout=node.connect_timeout)
+        connecting.addCallback(lambda _: connection.ready)
+        return connecting
+
+    # -- listeners --------------------------------------------------------------
+
+    def socks5_factory(self) -> Socks5Factory:
+        def connect_request(request):
+            app = TCPEnd()
+            opening = self.connect(app, request.source, request.host, request.port)
+            opening.addCallback(lambda _: app)
+            return opening
+
+        return Socks5Factory(connect_request, self.node.reactor, on_error=lambda reason: self.node.metrics.socks5_errors.labels(reason=reason).inc())
+
+    def redirect_factory(self) -> Factory:
+        return _RedirectFactory(self)
+
+
+def _as_refusal(e: Exception) -> Exception:
+    if isinstance(e, (OutboundRefused, Socks5Error)):
+        return Socks5Error(e.reply if isinstance(e, OutboundRefused) else e.reply_code, str(e))
+    if isinstance(e, TunnelRefused):
+        reply = Reply.NOT_ALLOWED if e.status in (401, 403) else Reply.CONNECTION_REFUSED
+        return Socks5Error(reply, str(e))
+    if isinstance(e, error.ConnectionRefusedError):
+        return Socks5Error(Reply.CONNECTION_REFUSED, str(e))
+    if isinstance(e, (error.TimeoutError, defer.TimeoutError, error.NoRouteError)):
+        return Socks5Error(Reply.HOST_UNREACHABLE, str(e))
+    if isinstance(e, (TunnelError, ConnectionGone)):
+        return Socks5Error(Reply.GENERAL_FAILURE, str(e))
+    return Socks5Error(Reply.GENERAL_FAILURE, f"{type(e).__name__}: {e}")
+
+
+def _authority(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _baggage(workload) -> str:
+    items = {
+        "k8s.namespace.name": workload.namespace,
+        "k8s.pod.name": workload.name,
+        "service.name": workload.canonical_name or workload.name,
+        "service.version": getattr(workload, "canonical_revision", None),
+    }
+    return ",".join(f"{k}={v}" for k, v in items.items() if v)
+
+
+class _RedirectFactory(Factory):
+    def __init__(self, outbound: Outbound):
+        self.outbound = outbound
+
+    def buildProtocol(self, addr):
+        return _RedirectedApp(self.outbound)
+
+
+class _RedirectedApp(TCPEnd):
+    """15001: an app connection redirected by iptables; its original destination says where to."""
+
+    def __init__(self, outbound: Outbound):
+        super().__init__()
+        self.outbound = outbound
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self.transport.pauseProducing()
+        destination = original_destination(self.transport)
+        local = self.transport.getHost()
+        peer = self.transport.getPeer()
+        if destination is None or destination == (local.host, local.port):
+            log.warn("outbound connection from {peer} was not redirected: no original destination", peer=f"{peer.host}:{peer.port}")
+            self.transport.loseConnection()
+            return
+        opening = self.outbound.connect(self, (peer.host, peer.port), *destination)
+        opening.addCallback(lambda _: self.transport.resumeProducing())
+        opening.addErrback(self._failed, destination)
+
+    def _failed(self, failure, destination) -> None:
+        log.info("outbound connection to {dst} failed: {why}", dst="%s:%d" % destination, why=failure.getErrorMessage())
+        self.abort()

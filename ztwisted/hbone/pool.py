@@ -1,0 +1,167 @@
+"""The outbound HBONE connection pool: one HTTP/2 connection carries many tunnels.
+
+Behaviour as ztunnel's (see docs/pool.rst): connections are keyed by source
+identity, destination identities, destination address and source IP;
+creation is single-flight per key; a connection at its stream limit or that
+received GOAWAY is not handed out; idle connections are released after five
+minutes; a stream the server refused before it opened is retried once on
+another connection.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import attr
+from twisted.internet import defer
+from twisted.logger import Logger
+
+from ztwisted.h2.connection import HBONEConnection, StreamRefused
+
+
+@attr.s(frozen=True)
+class PoolKey:
+    source_identity: str = attr.ib()
+    destination_identities: frozenset = attr.ib(converter=frozenset)
+    destination: tuple = attr.ib()  # (ip, port) of the peer's HBONE listener
+    source_ip: str = attr.ib()
+
+    def __str__(self) -> str:
+        ip, port = self.destination
+        return f"{self.source_identity} -> {ip}:{port}"
+
+
+class ConnectionPool:
+    log = Logger()
+
+    def __init__(
+        self,
+        clock,
+        connect: Callable[[PoolKey], defer.Deferred],
+        *,
+        idle_timeout: float = 300.0,
+        connect_timeout: float = 10.0,
+        on_connection_opened: Callable[[PoolKey, HBONEConnection], None] | None = None,
+    ):
+        self.clock = clock
+        self._connect = connect
+        self.idle_timeout = idle_timeout
+        self.connect_timeout = connect_timeout
+        self._on_connection_opened = on_connection_opened
+        self._connections: dict[PoolKey, list[HBONEConnection]] = {}
+        self._connecting: dict[PoolKey, list[defer.Deferred]] = {}
+        self._idle_timers: dict[HBONEConnection, object] = {}
+        self._keys: dict[HBONEConnection, PoolKey] = {}
+
+    def open_tunnel(self, key: PoolKey, authority: str, headers: Iterable[tuple[str, str]] = ()) -> defer.Deferred:
+        """Fires with an open :class:`~ztwisted.h2.connection.Stream` to ``authority``."""
+        return defer.Deferred.fromCoroutine(self._open_tunnel(key, authority, list(headers)))
+
+    async def _open_tunnel(self, key, authority, headers):
+        try:
+            connection = await self._acquire(key)
+            self._cancel_idle(connection)
+            return await connection.open_tunnel(authority, headers)
+        except StreamRefused as refused:
+            self.log.info("tunnel to {authority} refused before it opened ({why}); retrying on another connection", authority=authority, why=refused)
+        connection = await self._acquire(key)
+        self._cancel_idle(connection)
+        return await connection.open_tunnel(authority, headers)
+
+    async def _acquire(self, key: PoolKey) -> HBONEConnection:
+        while True:
+            for connection in self._connections.get(key, ()):
+                if connection.available_streams > 0:
+                    return connection
+            waiter = defer.Deferred()
+            waiters = self._connecting.get(key)
+            if waiters is None:
+                self._connecting[key] = [waiter]
+                self._start_connect(key)
+            else:
+                waiters.append(waiter)
+            await waiter
+
+    def _start_connect(self, key: PoolKey) -> None:
+        attempt = self._connect(key)
+        attempt.addTimeout(self.connect_timeout, self.clock)
+
+        def connected(connection: HBONEConnection):
+            self._add(key, connection)
+            return None
+
+        def done(result):
+            waiters = self._connecting.pop(key, [])
+            for waiter in waiters:
+                waiter.callback(None) if result is None else waiter.errback(result)
+
+        attempt.addCallback(connected)
+        attempt.addBoth(done)
+
+    def _add(self, key: PoolKey, connection: HBONEConnection) -> None:
+        self._connections.setdefault(key, []).append(connection)
+        self._keys[connection] = key
+        connection.stream_finished_hook = self._stream_finished
+        connection.closed.addBoth(lambda reason: self._remove(connection))
+        if self._on_connection_opened is not None:
+            self._on_connection_opened(key, connection)
+
+    def _remove(self, connection: HBONEConnection) -> None:
+        self._cancel_idle(connection)
+        key = self._keys.pop(connection, None)
+        if key is None:
+            return
+        connections = self._connections.get(key, [])
+        if connection in connections:
+            connections.remove(connection)
+        if not connections:
+            self._connections.pop(key, None)
+
+    def _stream_finished(self, connection: HBONEConnection) -> None:
+        if not connection.streams and connection.usable and connection not in self._idle_timers:
+            self._idle_timers[connection] = self.clock.callLater(self.idle_timeout, self._release_idle, connection)
+
+    def _cancel_idle(self, connection: HBONEConnection) -> None:
+        timer = self._idle_timers.pop(connection, None)
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _release_idle(self, connection: HBONEConnection) -> None:
+        self._idle_timers.pop(connection, None)
+        self.log.info("releasing idle connection {key}", key=str(self._keys.get(connection)))
+        self.retire(connection)
+
+    # -- for the drain layer and the admin interface ---------------------------
+
+    def retire(self, connection: HBONEConnection, deadline: float | None = None) -> defer.Deferred:
+        """No new streams on ``connection``; close it cleanly after its last stream."""
+        return connection.drain(graceful=True, deadline=deadline)
+
+    def connections(self, destination_ip: str | None = None) -> list[HBONEConnection]:
+        """Pooled connections, all or those to one destination IP."""
+        return [
+            connection
+            for key, connections in self._connections.items()
+            if destination_ip is None or key.destination[0] == destination_ip
+            for connection in connections
+        ]
+
+    def close_all(self, graceful: bool = True, deadline: float | None = None) -> defer.Deferred:
+        return defer.DeferredList(
+            [connection.drain(graceful=graceful, deadline=deadline) for connection in self.connections()]
+        )
+
+    def snapshot(self) -> list[dict]:
+        return [
+            {
+                "source": key.source_identity,
+                "destination": "%s:%d" % key.destination,
+                "destination_identities": sorted(key.destination_identities),
+                "source_ip": key.source_ip,
+                "streams": len(connection.streams),
+                "usable": connection.usable,
+                "goaway_received": connection.goaway_received is not None,
+            }
+            for key, connections in self._connections.items()
+            for connection in connections
+        ]

@@ -1,0 +1,52 @@
+"""Accounting of one proxied connection: istio_tcp_* metrics and the access log."""
+
+from __future__ import annotations
+
+from twisted.logger import Logger
+
+from ztwisted.logs import access_log
+from ztwisted.metrics import ConnectionLabels
+
+log = Logger(namespace="access")
+
+
+class ConnectionRecord:
+    """Counts a connection opened now and, when it ends, closed with its bytes and outcome."""
+
+    def __init__(self, metrics, clock, labels: ConnectionLabels, **fields):
+        self.metrics = metrics
+        self.clock = clock
+        self.labels = labels
+        self.fields = fields
+        self.started = clock.seconds()
+        metrics.opened(labels)
+
+    def refused(self, flags: str, error: str) -> None:
+        """The connection never opened: count and log it with ``flags`` (DENY, CONNECT, ...)."""
+        labels = self.labels.with_flags(flags)
+        self.metrics.closed(labels)
+        self._log(bytes_sent=0, bytes_recv=0, error=error)
+
+    def finish_when_done(self, spliced, app_end, upstream_end) -> None:
+        """``app_end`` faces the side this record counts from, ``upstream_end`` the other."""
+
+        def done(outcomes):
+            self.metrics.closed(self.labels)
+            self.metrics.bytes(self.labels, sent=upstream_end.bytes_sent, received=upstream_end.bytes_received)
+            app_outcome, upstream_outcome = outcomes
+            error = None if (app_outcome, upstream_outcome) == ("closed", "closed") else f"{app_outcome}/{upstream_outcome}"
+            self._log(bytes_sent=upstream_end.bytes_sent, bytes_recv=upstream_end.bytes_received, error=error)
+
+        spliced.addCallback(done)
+        spliced.addErrback(lambda failure: log.failure("accounting failed", failure))
+
+    def _log(self, bytes_sent: int, bytes_recv: int, error: str | None) -> None:
+        fields = dict(self.fields)
+        fields.update(
+            bytes_sent=bytes_sent,
+            bytes_recv=bytes_recv,
+            duration=self.clock.seconds() - self.started,
+        )
+        if error:
+            fields["error"] = error
+        access_log(log, **fields)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -7,9 +8,14 @@ import pytest
 from tests.support import EchoServer
 from ztwisted.harness import NodeProcess
 
-CLIENT_IP = "127.0.2.1"
-SERVER_IP = "127.0.3.1"
-ECHO_VIP = "127.10.0.1"
+# Every address is in 127.<NET>.0.0/16, so separate runs can share a machine.
+NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))
+CLIENT_IP = f"127.{NET}.2.1"
+SERVER_IP = f"127.{NET}.3.1"
+SINK_IP = f"127.{NET}.3.2"
+ECHO_VIP = f"127.{NET}.10.1"
+NODE_A_CONTROL_IP = f"127.{NET}.2.254"
+NODE_B_CONTROL_IP = f"127.{NET}.3.254"
 
 TWO_NODE_MESH = textwrap.dedent(
     f"""
@@ -33,7 +39,7 @@ TWO_NODE_MESH = textwrap.dedent(
       name: sink
       namespace: default
       serviceAccount: sink
-      workloadIps: ["127.0.3.2"]
+      workloadIps: ["{SINK_IP}"]
       protocol: HBONE
       node: node-b
     services:
@@ -51,8 +57,8 @@ class TwoNodes:
         self.config = tmp_path / "mesh.yaml"
         self.config.write_text(mesh_text)
         state = tmp_path / "state"
-        self.a = NodeProcess(tmp_path / "a", name="node-a", control_ip="127.0.2.254", config=self.config, node="node-a", state_dir=state)
-        self.b = NodeProcess(tmp_path / "b", name="node-b", control_ip="127.0.3.254", config=self.config, node="node-b", state_dir=state)
+        self.a = NodeProcess(tmp_path / "a", name="node-a", control_ip=NODE_A_CONTROL_IP, config=self.config, node="node-a", state_dir=state)
+        self.b = NodeProcess(tmp_path / "b", name="node-b", control_ip=NODE_B_CONTROL_IP, config=self.config, node="node-b", state_dir=state)
 
     def start(self):
         self.b.start()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import socket
 import threading
+import time
 
 
 class EchoServer:
@@ -16,6 +19,9 @@ class EchoServer:
         self.sock.listen(512)
         self.address = self.sock.getsockname()
         self.connections = 0
+        #: how each finished connection ended: "closed" (EOF) or the OSError's class name
+        self.outcomes: list[str] = []
+        self._ended = threading.Condition()
         self._closing = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -29,6 +35,7 @@ class EchoServer:
             threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     def _echo(self, conn: socket.socket):
+        outcome = "closed"
         with conn:
             try:
                 while True:
@@ -37,11 +44,22 @@ class EchoServer:
                         conn.shutdown(socket.SHUT_WR)
                         return
                     conn.sendall(data)
-            except OSError:
+            except OSError as e:
+                outcome = type(e).__name__
                 return
+            finally:
+                with self._ended:
+                    self.outcomes.append(outcome)
+                    self._ended.notify_all()
+
+    def wait_for_outcomes(self, count: int, timeout: float = 10.0) -> list[str]:
+        """The outcomes once at least ``count`` connections have ended (or what there is at the timeout)."""
+        with self._ended:
+            self._ended.wait_for(lambda: len(self.outcomes) >= count, timeout)
+            return list(self.outcomes)
 
     def close(self):
-        self.sock.close()
+        close_listener(self.sock)
 
 
 class SinkServer:
@@ -67,7 +85,20 @@ class SinkServer:
     def close(self):
         for conn in self.accepted:
             conn.close()
-        self.sock.close()
+        close_listener(self.sock)
+
+
+def close_listener(sock: socket.socket) -> None:
+    """Close a listening socket so its port is free at once.
+
+    A plain close() leaves the port bound while a thread is blocked in
+    accept() on it; shutdown() wakes that thread first.
+    """
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 def recv_all(sock: socket.socket) -> bytes:
@@ -77,3 +108,96 @@ def recv_all(sock: socket.socket) -> bytes:
         if not data:
             return b"".join(chunks)
         chunks.append(data)
+
+
+class ReplyAfterEofServer:
+    """An app that reads until the client's FIN, then sends everything back and closes.
+
+    Every reply byte leaves after the request half-closed, so a proxy that
+    turns a half-close into a full close loses the reply.
+    """
+
+    def __init__(self, ip: str, port: int):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((ip, port))
+        self.sock.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket):
+        with conn:
+            try:
+                request = recv_all(conn)
+                time.sleep(0.2)  # the FIN has long crossed both proxies by now
+                conn.sendall(request)
+            except OSError:
+                return
+
+    def close(self):
+        close_listener(self.sock)
+
+
+def echo_through(sock: socket.socket, payload: bytes, timeout: float = 30.0) -> bytes:
+    """Send ``payload`` (then FIN) from a thread while reading everything back until EOF."""
+    sock.settimeout(timeout)
+
+    def send():
+        try:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    received = recv_all(sock)
+    sender.join(timeout)
+    return received
+
+
+def stream_and_hash(sock: socket.socket, total: int, chunk_size: int = 1 << 20, timeout: float = 60.0) -> tuple[str, str, int]:
+    """Send ``total`` random bytes in chunks while a concurrent reader hashes what comes back.
+
+    Returns (sha256 of what was sent, sha256 of what was received, bytes received).
+    """
+    sock.settimeout(timeout)
+    sent_hash = hashlib.sha256()
+    errors: list[BaseException] = []
+
+    def send():
+        try:
+            block = os.urandom(chunk_size)
+            remaining = total
+            while remaining:
+                # A fresh byte pattern per chunk, cheap: rotate the random block.
+                piece = block[: min(chunk_size, remaining)]
+                block = block[7:] + block[:7]
+                sent_hash.update(piece)
+                sock.sendall(piece)
+                remaining -= len(piece)
+            sock.shutdown(socket.SHUT_WR)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            errors.append(e)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    received_hash = hashlib.sha256()
+    received = 0
+    while True:
+        data = sock.recv(1 << 20)
+        if not data:
+            break
+        received_hash.update(data)
+        received += len(data)
+    sender.join(timeout)
+    if errors:
+        raise errors[0]
+    return sent_hash.hexdigest(), received_hash.hexdigest(), received

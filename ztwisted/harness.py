@@ -74,7 +74,7 @@ class NodeProcess:
             args += ["--node", self.node]
         return args + list(self.extra_args)
 
-    def start(self, timeout: float = 20.0) -> "NodeProcess":
+    def start(self, timeout: float = 20.0) -> NodeProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(self.env or {})
@@ -155,7 +155,7 @@ class NodeProcess:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise RuntimeError(f"node {self.name} did not stop within {timeout} s:\n{self.log_tail()}")
+            raise RuntimeError(f"node {self.name} did not stop within {timeout} s:\n{self.log_tail()}") from None
         finally:
             self._log_file.close()
 

@@ -1,7 +1,7 @@
 """The zope interfaces of ztwisted, in one place."""
 
-from zope.interface import Attribute
 from twisted.internet.interfaces import IPushProducer
+from zope.interface import Attribute
 
 
 class IPipeEnd(IPushProducer):

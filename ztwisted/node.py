@@ -40,7 +40,7 @@ def drain_timeout_from_environment(environ=os.environ) -> float:
 class WorkloadListeners:
     """The inbound listeners of one local workload, on each of its IPs."""
 
-    def __init__(self, node: "Node", workload):
+    def __init__(self, node: Node, workload):
         self.workload = workload
         self.hbone = InboundHBONE(node, workload)
         self.plaintext = InboundPlaintext(node, workload)

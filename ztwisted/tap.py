@@ -69,7 +69,9 @@ class Options(usage.Options):
             try:
                 self["drain-timeout"] = float(self["drain-timeout"])
             except ValueError:
-                raise usage.UsageError(f"--drain-timeout must be a number of seconds, not {self['drain-timeout']!r}")
+                raise usage.UsageError(
+                    f"--drain-timeout must be a number of seconds, not {self['drain-timeout']!r}"
+                ) from None
         else:
             self["drain-timeout"] = drain_timeout_from_environment()
         if self["state-dir"] is None:
@@ -77,14 +79,14 @@ class Options(usage.Options):
         try:
             self.mesh = load_config(self["config"] or builtin_example_path())
         except ConfigError as e:
-            raise usage.UsageError(str(e))
+            raise usage.UsageError(str(e)) from None
         try:
             if self["ca-dir"]:
                 self.certificate_authority = CertificateAuthority.load(self["ca-dir"])
             else:
                 self.certificate_authority = CertificateAuthority.load_or_create_dev(self["state-dir"])
         except CAError as e:
-            raise usage.UsageError(str(e))
+            raise usage.UsageError(str(e)) from None
         if self["node"] and not self.mesh.local_workloads(self["node"]):
             log.warn("no workload in the configuration has node {node!r}", node=self["node"])
 

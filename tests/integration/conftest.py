@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from tests.support import EchoServer
+from tests.support import EchoServer, SinkServer
 from ztwisted.harness import NodeProcess
 
 # Every address is in 127.<NET>.0.0/16, so separate runs can share a machine.
@@ -76,6 +76,14 @@ class TwoNodes:
 @pytest.fixture
 def echo_app():
     server = EchoServer(SERVER_IP, 8080)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def sink_app():
+    """The slow reader: accepts on SINK_IP:8080 and never reads."""
+    server = SinkServer(SINK_IP, 8080)
     yield server
     server.close()
 

@@ -258,8 +258,8 @@ def test_tcp_end_forwards_reset_only_when_unclean(clean):
     if clean:
         end.readConnectionLost()
         end.write_eof()
-    from twisted.python.failure import Failure
     from twisted.internet import error
+    from twisted.python.failure import Failure
 
     end.connectionLost(Failure(error.ConnectionDone()))
     assert far.aborted is (not clean)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import attr
 import h2.config
@@ -54,11 +54,11 @@ class H2Settings:
     goaway_ping_wait: float = attr.ib(default=1.0)
 
     @classmethod
-    def server(cls, **overrides) -> "H2Settings":
+    def server(cls, **overrides) -> H2Settings:
         return cls(**overrides)
 
     @classmethod
-    def client(cls, **overrides) -> "H2Settings":
+    def client(cls, **overrides) -> H2Settings:
         overrides.setdefault("max_header_list_size", 16 * KiB)
         overrides.setdefault("max_concurrent_streams", 100)
         return cls(**overrides)
@@ -92,7 +92,7 @@ class KeepaliveTimeout(Exception):
 class Stream:
     """One CONNECT stream, seen from the proxy as one end of a pipe."""
 
-    def __init__(self, connection: "HBONEConnection", stream_id: int, headers: dict[str, str]):
+    def __init__(self, connection: HBONEConnection, stream_id: int, headers: dict[str, str]):
         self.connection = connection
         self.stream_id = stream_id
         self.headers = headers
@@ -286,7 +286,7 @@ class HBONEConnection(Protocol):
         client: bool,
         clock,
         settings: H2Settings | None = None,
-        on_tunnel_request: Callable[["HBONEConnection", Stream], None] | None = None,
+        on_tunnel_request: Callable[[HBONEConnection, Stream], None] | None = None,
         get_peer_identity: Callable[[object], object] | None = None,
     ):
         self.client = client
@@ -690,7 +690,7 @@ class HBONEConnection(Protocol):
         if self.stream_finished_hook is not None:
             self.stream_finished_hook(self)
 
-    stream_finished_hook: Callable[["HBONEConnection"], None] | None = None
+    stream_finished_hook: Callable[[HBONEConnection], None] | None = None
 
     def _flush_h2(self) -> None:
         data = self.h2.data_to_send()

@@ -222,5 +222,5 @@ class _RedirectedApp(TCPEnd):
         opening.addErrback(self._failed, destination)
 
     def _failed(self, failure, destination) -> None:
-        log.info("outbound connection to {dst} failed: {why}", dst="%s:%d" % destination, why=failure.getErrorMessage())
+        log.info("outbound connection to {dst} failed: {why}", dst="{}:{}".format(*destination), why=failure.getErrorMessage())
         self.abort()

@@ -10,7 +10,7 @@ another connection.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import attr
 from twisted.internet import defer
@@ -155,7 +155,7 @@ class ConnectionPool:
         return [
             {
                 "source": key.source_identity,
-                "destination": "%s:%d" % key.destination,
+                "destination": "{}:{}".format(*key.destination),
                 "destination_identities": sorted(key.destination_identities),
                 "source_ip": key.source_ip,
                 "streams": len(connection.streams),

@@ -1,0 +1,456 @@
+"""Real TLS handshakes between ServerTLS and ClientTLS (in memory via iosim, and over TCP)."""
+
+from __future__ import annotations
+
+import attr
+import pytest
+import pytest_twisted
+from OpenSSL import SSL
+from twisted.internet import defer, task
+from twisted.internet.address import IPv4Address
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.interfaces import (
+    IHandshakeListener,
+    IOpenSSLClientConnectionCreator,
+)
+from twisted.internet.protocol import Factory, Protocol
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python.failure import Failure
+from twisted.test import iosim
+from zope.interface import implementer
+
+from ztwisted.ca import CertificateAuthority, IssuedCertificate, create_files
+from ztwisted.identity import SpiffeId
+from ztwisted.tls import (
+    ALPN_H2,
+    ClientTLS,
+    PeerVerificationError,
+    ServerTLS,
+    negotiated_alpn,
+    peer_identity,
+)
+
+CLIENT = SpiffeId("cluster.local", "default", "client")
+SERVER = SpiffeId("cluster.local", "default", "server")
+ALLOWED_CIPHERS = {"TLS_AES_256_GCM_SHA384", "TLS_AES_128_GCM_SHA256"}
+
+
+@implementer(IHandshakeListener)
+class Peer(Protocol):
+    """Records what happens to one side; echoes if ``echo``."""
+
+    def __init__(self, echo: bool = False) -> None:
+        self.echo = echo
+        self.handshake_done = False
+        self.received = b""
+        self.lost: Failure | None = None
+        # Fires with True after the handshake, or False if the connection is lost first.
+        self.handshake: defer.Deferred[bool] = defer.Deferred()
+        # Fires (with None; see ``lost``) when the connection is gone.
+        self.closed: defer.Deferred[None] = defer.Deferred()
+
+    def handshakeCompleted(self) -> None:
+        self.handshake_done = True
+        self.handshake.callback(True)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+        if self.echo:
+            self.transport.write(data)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.lost = reason
+        if not self.handshake.called:
+            self.handshake.callback(False)
+        self.closed.callback(None)
+
+
+@attr.s
+class Link:
+    client_tls = attr.ib()
+    server_tls = attr.ib()
+    pump: iosim.IOPump = attr.ib()
+    # Kept here: the TLS wrapper drops wrappedProtocol when the connection is lost.
+    client: Peer = attr.ib()
+    server: Peer = attr.ib()
+
+
+def connect(server_creator, client_creator) -> Link:
+    """Handshake in memory (deterministic), pumping until both sides are quiet."""
+    clock = task.Clock()
+    address = IPv4Address("TCP", "127.0.0.1", 15008)
+
+    def wrap(creator, is_client):
+        factory = Factory.forProtocol(Peer)
+        return TLSMemoryBIOFactory(creator, is_client, factory, clock=clock)
+
+    server_factory = wrap(server_creator, False)
+    client_factory = wrap(client_creator, True)
+    client_tls, server_tls, pump = iosim.connectedServerAndClient(
+        lambda: server_factory.buildProtocol(address),
+        lambda: client_factory.buildProtocol(address),
+        clock=clock,
+        greet=False,
+    )
+    link = Link(
+        client_tls,
+        server_tls,
+        pump,
+        client_tls.wrappedProtocol,
+        server_tls.wrappedProtocol,
+    )
+    pump.flush()
+    return link
+
+
+@implementer(IOpenSSLClientConnectionCreator)
+@attr.s
+class RawClient:
+    """A client built directly on an SSL.Context, for peers that break the policy."""
+
+    context: SSL.Context = attr.ib()
+    session: SSL.Session | None = attr.ib(default=None)
+
+    def clientConnectionForTLS(self, tlsProtocol):
+        connection = SSL.Connection(self.context, None)
+        if self.session is not None:
+            connection.set_session(self.session)
+        return connection
+
+
+def raw_client_context(issued: IssuedCertificate | None, max_version=SSL.TLS1_3_VERSION):
+    context = SSL.Context(SSL.TLS_METHOD)
+    context.set_max_proto_version(max_version)
+    context.set_verify(SSL.VERIFY_NONE)
+    context.set_alpn_protos([ALPN_H2])
+    if issued is not None:
+        context.use_certificate(issued.certificate())
+        context.use_privatekey(issued.private_key())
+        for cert in issued.chain():
+            context.add_extra_chain_cert(cert)
+    return context
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory) -> CertificateAuthority:
+    return CertificateAuthority.load_or_create_dev(tmp_path_factory.mktemp("state"))
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory) -> CertificateAuthority:
+    return CertificateAuthority.load_or_create_dev(tmp_path_factory.mktemp("other"))
+
+
+@pytest.fixture(scope="module")
+def server_cert(ca) -> IssuedCertificate:
+    return ca.issue(SERVER)
+
+
+@pytest.fixture(scope="module")
+def client_cert(ca) -> IssuedCertificate:
+    return ca.issue(CLIENT)
+
+
+def server_for(issued: IssuedCertificate, trust_domain: str | None = None) -> ServerTLS:
+    return ServerTLS(lambda: issued, trust_domain)
+
+
+def client_for(issued: IssuedCertificate, *expected) -> ClientTLS:
+    return ClientTLS(issued, expected or {str(SERVER)})
+
+
+def assert_refused(peer: Peer, *fragments: str) -> None:
+    """``peer`` saw the handshake fail with a PeerVerificationError saying ``fragments``."""
+    assert not peer.handshake_done
+    assert peer.lost is not None
+    assert peer.lost.check(PeerVerificationError), peer.lost
+    for fragment in fragments:
+        assert fragment in str(peer.lost.value)
+
+
+def assert_failed(peer: Peer) -> None:
+    """``peer`` lost the connection with a TLS error (e.g. an alert from the other side)."""
+    assert peer.lost is not None
+    assert peer.lost.check(SSL.Error), peer.lost
+    assert peer.received == b""
+
+
+# -- success -------------------------------------------------------------------------
+
+
+def test_mutual_tls_identifies_both_peers(server_cert, client_cert):
+    link = connect(server_for(server_cert), client_for(client_cert))
+    assert link.client.handshake_done and link.server.handshake_done
+    assert link.client.lost is None and link.server.lost is None
+
+    assert peer_identity(link.client_tls) == SERVER
+    assert peer_identity(link.server_tls) == CLIENT
+    # The application protocol's transport works too.
+    assert peer_identity(link.client.transport) == SERVER
+    assert peer_identity(link.server_tls.getHandle()) == CLIENT
+
+    link.client.transport.write(b"hello")
+    link.pump.flush()
+    assert link.server.received == b"hello"
+
+
+def test_policy_tls13_h2_aes_gcm_no_sni(server_cert, client_cert):
+    link = connect(server_for(server_cert), client_for(client_cert))
+    for tls in (link.client_tls, link.server_tls):
+        connection = tls.getHandle()
+        assert connection.get_protocol_version_name() == "TLSv1.3"
+        assert connection.get_cipher_name() in ALLOWED_CIPHERS
+        assert negotiated_alpn(tls) == b"h2"
+        assert negotiated_alpn(connection) == b"h2"
+    assert link.server_tls.getHandle().get_servername() is None
+
+
+def test_server_sends_its_own_certificate_with_chain(server_cert, client_cert):
+    link = connect(server_for(server_cert), client_for(client_cert))
+    chain = link.client_tls.getHandle().get_peer_cert_chain(as_cryptography=True)
+    assert chain[0] == server_cert.certificate()
+    assert chain[1:] == server_cert.chain()
+
+
+def test_intermediate_issued_leaves_verify_against_root_only(tmp_path):
+    layered = create_files(tmp_path / "cacerts")
+    server_cert = layered.issue(SERVER)
+    client_cert = layered.issue(CLIENT)
+    # Trust anchors are the root alone; the intermediate signed the leaves.
+    assert (tmp_path / "cacerts" / "root-cert.pem").read_bytes() == server_cert.roots_pem
+    assert server_cert.roots() == [layered.roots[0]]
+    assert server_cert.certificate().issuer == layered.ca_cert.subject != layered.roots[0].subject
+
+    link = connect(server_for(server_cert), client_for(client_cert))
+    assert peer_identity(link.client_tls) == SERVER
+    assert peer_identity(link.server_tls) == CLIENT
+    sent = link.client_tls.getHandle().get_peer_cert_chain(as_cryptography=True)
+    assert layered.ca_cert in sent
+
+
+def test_leaf_without_chain_is_refused_when_only_root_is_trusted(tmp_path):
+    layered = create_files(tmp_path / "cacerts")
+    bare_server = attr.evolve(layered.issue(SERVER), chain_pem=b"")
+    link = connect(server_for(bare_server), client_for(layered.issue(CLIENT)))
+    assert_refused(link.client, "server certificate does not chain", "local issuer")
+    assert_failed(link.server)
+
+
+def test_client_accepts_any_of_the_expected_identities(server_cert, client_cert):
+    creator = client_for(client_cert, "spiffe://cluster.local/ns/default/sa/other", SERVER)
+    link = connect(server_for(server_cert), creator)
+    assert link.client.handshake_done
+    assert peer_identity(link.client_tls) == SERVER
+
+
+def test_server_trust_domain_can_be_configured(ca, server_cert):
+    foreign = ca.issue(SpiffeId("partner.example", "default", "client"))
+    link = connect(server_for(server_cert, "partner.example"), client_for(foreign))
+    assert link.server.handshake_done
+    assert peer_identity(link.server_tls) == SpiffeId("partner.example", "default", "client")
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def test_client_without_certificate_is_refused(server_cert):
+    link = connect(server_for(server_cert), RawClient(raw_client_context(None)))
+    assert not link.server.handshake_done
+    assert link.server.lost.check(SSL.Error)
+    assert "did not return a certificate" in str(link.server.lost.value)
+    assert_failed(link.client)
+
+
+def test_client_certificate_from_another_ca_is_refused(other_ca, server_cert):
+    # The client trusts our server, but its own certificate is from another CA.
+    foreign = attr.evolve(other_ca.issue(CLIENT), roots_pem=other_ca.roots_pem + server_cert.roots_pem)
+    link = connect(server_for(server_cert), client_for(foreign))
+    assert_refused(link.server, "client certificate does not chain", "self-signed")
+    assert_failed(link.client)
+
+
+def test_client_from_another_trust_domain_is_refused(ca, server_cert):
+    foreign = ca.issue(SpiffeId("other.example", "default", "client"))
+    link = connect(server_for(server_cert), client_for(foreign))
+    assert_refused(
+        link.server,
+        "client certificate has no SPIFFE identity in trust domain 'cluster.local'",
+        "spiffe://other.example/ns/default/sa/client",
+    )
+    assert_failed(link.client)
+
+
+def test_refusal_is_logged_with_reason(ca, server_cert):
+    events: list[dict] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        foreign = ca.issue(SpiffeId("other.example", "default", "client"))
+        connect(server_for(server_cert), client_for(foreign))
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    refusals = [formatEvent(e) for e in events if "refused" in e.get("log_format", "")]
+    assert len(refusals) == 1
+    assert "client certificate has no SPIFFE identity in trust domain 'cluster.local'" in refusals[0]
+
+
+def test_server_not_expected_is_refused(server_cert, client_cert):
+    creator = client_for(client_cert, "spiffe://cluster.local/ns/default/sa/echo")
+    link = connect(server_for(server_cert), creator)
+    assert_refused(
+        link.client,
+        "server certificate identity spiffe://cluster.local/ns/default/sa/server",
+        "not one of the expected spiffe://cluster.local/ns/default/sa/echo",
+    )
+    assert_failed(link.server)
+    assert not link.server.handshake_done
+
+
+def test_server_from_another_ca_is_refused(other_ca, client_cert):
+    link = connect(server_for(other_ca.issue(SERVER)), client_for(client_cert))
+    assert_refused(link.client, "server certificate does not chain")
+    assert_failed(link.server)
+
+
+def test_tls12_only_client_is_refused(server_cert, client_cert):
+    context = raw_client_context(client_cert, max_version=SSL.TLS1_2_VERSION)
+    link = connect(server_for(server_cert), RawClient(context))
+    assert not link.server.handshake_done
+    assert not link.client.handshake_done
+    assert link.server.lost.check(SSL.Error)
+    assert "unsupported protocol" in str(link.server.lost.value)
+    assert_failed(link.client)
+
+
+def test_client_without_h2_is_refused(server_cert, client_cert):
+    context = raw_client_context(client_cert)
+    context.set_alpn_protos([b"http/1.1"])
+    link = connect(server_for(server_cert), RawClient(context))
+    assert not link.server.handshake_done
+    assert link.server.lost.check(SSL.Error)
+    assert_failed(link.client)
+
+
+def test_sessions_are_not_resumed(server_cert, client_cert):
+    from OpenSSL._util import lib  # private, but the only way to ask SSL_session_reused
+
+    server = server_for(server_cert)
+    context = raw_client_context(client_cert)
+    first = connect(server, RawClient(context))
+    # Make the client read what the server sent after the handshake (tickets).
+    first.server.transport.write(b"x")
+    first.pump.flush()
+    assert first.client.received == b"x"
+    session = first.client_tls.getHandle().get_session()
+    assert session is not None
+
+    second = connect(server, RawClient(context, session))
+    assert second.server.handshake_done
+    assert lib.SSL_session_reused(second.server_tls.getHandle()._ssl) == 0
+
+
+def test_client_needs_expected_identities(client_cert):
+    with pytest.raises(ValueError, match="at least one expected"):
+        ClientTLS(client_cert, [])
+
+
+# -- renewal -----------------------------------------------------------------------------
+
+
+def test_renewed_server_certificate_applies_to_new_connections_only(ca, client_cert):
+    current = {"cert": ca.issue(SERVER)}
+    server = ServerTLS(lambda: current["cert"])
+    assert server.context() is server.context()
+
+    old = connect(server, client_for(client_cert))
+    old_serial = old.client_tls.getPeerCertificate().get_serial_number()
+    assert old_serial == current["cert"].serial
+
+    current["cert"] = ca.issue(SERVER)
+    new = connect(server, client_for(client_cert))
+    assert new.client_tls.getPeerCertificate().get_serial_number() == current["cert"].serial
+
+    # The connection made before the renewal keeps working.
+    old.client.transport.write(b"still here")
+    old.pump.flush()
+    assert old.server.received == b"still here"
+    old.server.transport.write(b"and back")
+    old.pump.flush()
+    assert old.client.received == b"and back"
+    assert old.client.lost is None and old.server.lost is None
+
+
+# -- over real TCP -----------------------------------------------------------------------
+
+TCP_TIMEOUT = 10
+
+
+def within(d: defer.Deferred, reactor) -> defer.Deferred:
+    """``d``, failing with TimeoutError if it takes longer than TCP_TIMEOUT."""
+    return d.addTimeout(TCP_TIMEOUT, reactor)
+
+
+@defer.inlineCallbacks
+def tcp_connect(reactor, server_creator, client_creator, echo: bool = False):
+    """Listen on 127.0.0.1:0 and connect to it; returns (port, client, servers)."""
+    servers: list[Peer] = []
+
+    def server_protocol() -> Peer:
+        peer = Peer(echo=echo)
+        servers.append(peer)
+        return peer
+
+    server_factory = TLSMemoryBIOFactory(server_creator, False, Factory.forProtocol(server_protocol))
+    port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
+    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+    client_tls = yield endpoint.connect(TLSMemoryBIOFactory(client_creator, True, Factory.forProtocol(Peer)))
+    return port, client_tls.wrappedProtocol, servers
+
+
+@defer.inlineCallbacks
+def tcp_cleanup(port, client: Peer, servers: list[Peer]):
+    for peer in [client, *servers]:
+        if peer.lost is None:
+            peer.transport.abortConnection()
+    yield port.stopListening()
+
+
+@pytest_twisted.inlineCallbacks
+def test_handshake_over_loopback_tcp(server_cert, client_cert):
+    from twisted.internet import reactor
+
+    port, client, servers = yield tcp_connect(reactor, server_for(server_cert), client_for(client_cert), echo=True)
+    try:
+        assert (yield within(client.handshake, reactor))
+        assert peer_identity(client.transport) == SERVER
+        assert negotiated_alpn(client.transport) == b"h2"
+
+        client.transport.write(b"ping")
+        deadline = reactor.seconds() + TCP_TIMEOUT
+        while client.received != b"ping" and reactor.seconds() < deadline:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        assert client.received == b"ping"
+        assert peer_identity(servers[0].transport) == CLIENT
+
+        client.transport.loseConnection()
+        yield within(client.closed, reactor)
+        yield within(servers[0].closed, reactor)
+    finally:
+        yield tcp_cleanup(port, client, servers)
+
+
+@pytest_twisted.inlineCallbacks
+def test_unexpected_server_fails_over_loopback_tcp(server_cert, client_cert):
+    from twisted.internet import reactor
+
+    creator = client_for(client_cert, "spiffe://cluster.local/ns/default/sa/echo")
+    port, client, servers = yield tcp_connect(reactor, server_for(server_cert), creator)
+    try:
+        yield within(client.closed, reactor)
+        assert client.lost.check(PeerVerificationError)
+        assert "not one of the expected" in str(client.lost.value)
+        yield within(servers[0].closed, reactor)
+        assert servers[0].lost.check(SSL.Error)
+        assert not servers[0].handshake_done
+    finally:
+        yield tcp_cleanup(port, client, servers)

@@ -73,6 +73,7 @@ class Node(service.MultiService):
         plaintext_port: int | None = 15006,
         connect_timeout: float = 10.0,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        keepalive: tuple[float, float] = (10.0, 20.0),
         config_source: str = "<built-in example>",
     ):
         super().__init__()
@@ -86,8 +87,9 @@ class Node(service.MultiService):
         self.drain_timeout = drain_timeout
         self.config_source = config_source
         self.certificates = CertificateStore(certificate_authority, reactor)
-        self.server_h2_settings = H2Settings.server()
-        self.client_h2_settings = H2Settings.client()
+        interval, timeout = keepalive
+        self.server_h2_settings = H2Settings.server(keepalive_interval=interval, keepalive_timeout=timeout)
+        self.client_h2_settings = H2Settings.client(keepalive_interval=interval, keepalive_timeout=timeout)
         self.outbound = Outbound(self)
         self.listeners: dict[str, WorkloadListeners] = {}
         self._local_by_ip: dict = {}

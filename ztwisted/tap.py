@@ -56,6 +56,8 @@ class Options(usage.Options):
         ["drain-timeout", None, None, "Seconds to wait for connections when the proxy stops "
          "(default: from TERMINATION_GRACE_PERIOD_SECONDS as ztunnel does, else 5)."],
         ["connect-timeout", None, 10.0, "Seconds to connect to a peer (TCP and TLS).", float],
+        ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
+        ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
     ]
 
     def opt_version(self):
@@ -130,6 +132,7 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
         plaintext_port=config["inbound-plaintext-port"],
         connect_timeout=config["connect-timeout"],
         drain_timeout=config["drain-timeout"],
+        keepalive=(config["keepalive-interval"], config["keepalive-timeout"]),
         config_source=config["config"] or "<built-in example>",
     )
     node.setServiceParent(root)

@@ -176,7 +176,7 @@ def test_graceful_drain_sends_two_goaways_and_lets_streams_finish():
     assert server_stream.far.data == b"late data"
     assert app.data == b"reply"
     assert drained.called
-    assert pair.server.close_reason == "drained"
+    assert pair.server.ended_by == "drained"
 
 
 def test_stream_above_last_stream_id_is_refused_and_retryable():
@@ -198,6 +198,7 @@ def test_keepalive_closes_connection_without_ping_answer():
     conn = HBONEConnection(client=True, clock=clock)
     transport = StringTransport()
     conn.makeConnection(transport)
+    conn.handshakeCompleted()
     transport.clear()
     clock.advance(10)
     frames = decode_frames(transport.value())
@@ -205,7 +206,7 @@ def test_keepalive_closes_connection_without_ping_answer():
     clock.advance(19.9)
     assert not transport.disconnecting
     clock.advance(0.2)
-    assert conn.close_reason == "keepalive timeout"
+    assert conn.ended_by == "keepalive-timeout"
 
 
 def decode_frames(data: bytes) -> list[Frame]:

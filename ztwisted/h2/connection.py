@@ -52,6 +52,15 @@ class H2Settings:
     keepalive_timeout: float = attr.ib(default=20.0)
     #: how long a graceful close waits for the PING that follows the first GOAWAY
     goaway_ping_wait: float = attr.ib(default=1.0)
+    #: a TLS handshake that has not completed by then is aborted
+    handshake_timeout: float = attr.ib(default=10.0)
+    #: a server connection that opens no stream for this long is closed
+    idle_timeout: float = attr.ib(default=60.0)
+    #: control frames (PING/SETTINGS ACKs, resets, ...) written while the peer does
+    #: not read, before the connection counts as a flood
+    max_unread_control_bytes: int = attr.ib(default=1 * MiB)
+    #: streams the peer may reset per second before it counts as a rapid-reset flood
+    max_peer_resets_per_second: int = attr.ib(default=200)
 
     @classmethod
     def server(cls, **overrides) -> H2Settings:
@@ -84,8 +93,19 @@ class ConnectionGone(TunnelError):
     """The HTTP/2 connection ended before the tunnel opened."""
 
 
-class KeepaliveTimeout(Exception):
-    """The peer did not answer a PING in time."""
+#: How a connection ended (``HBONEConnection.ended_by``, the value ``closed`` fires with).
+ENDINGS = (
+    "drained",  # graceful: every stream finished, then TLS close_notify
+    "drain-deadline",  # graceful drain ran out of time: streams reset, then closed
+    "abrupt",  # closed at once on request, no GOAWAY, no close_notify
+    "peer",  # the peer closed the connection
+    "lost",  # the transport failed
+    "keepalive-timeout",
+    "handshake-timeout",
+    "idle-timeout",
+    "protocol-error",
+    "flood",  # control-frame flood or rapid reset
+)
 
 
 @implementer(IPipeEnd)
@@ -316,7 +336,15 @@ class HBONEConnection(Protocol):
         self._ping_wait_timer = None
         self._pending_pings: dict[bytes, Callable[[], None]] = {}
         self._connected = False
-        self.close_reason: str | None = None
+        self._handshake_timer = None
+        self._idle_timer = None
+        self._unread_control_bytes = 0
+        self._reset_window_start = 0.0
+        self._resets_in_window = 0
+        #: one of :data:`ENDINGS`, set when the connection starts to end
+        self.ended_by: str | None = None
+        #: called with (kind, detail) when the peer trips a limit, for metrics
+        self.on_limit: Callable[[str, str], None] | None = None
 
     # -- Protocol ---------------------------------------------------------------
 
@@ -337,15 +365,19 @@ class HBONEConnection(Protocol):
         self._flush_h2()
         self.transport.registerProducer(self, True)
         self._restart_keepalive()
+        self._handshake_timer = self.clock.callLater(self.settings.handshake_timeout, self._handshake_timed_out)
 
     def handshakeCompleted(self) -> None:
         protocol = getattr(self.transport, "negotiatedProtocol", None)
         if protocol not in (b"h2", None):
             self.log.warn("peer negotiated ALPN {alpn!r}, not h2", alpn=protocol)
-            self.abort_connection("ALPN is not h2")
+            self.abort_connection("protocol-error")
             return
+        _cancel(self._handshake_timer)
         if self._get_peer_identity is not None:
             self.peer_identity = self._get_peer_identity(self.transport)
+        if not self.client:
+            self._idle_timer = self.clock.callLater(self.settings.idle_timeout, self._idle_timed_out)
         if not self.ready.called:
             self.ready.callback(self)
 
@@ -355,7 +387,6 @@ class HBONEConnection(Protocol):
             data, goaways = self._goaway_filter.feed(data)
             events = self.h2.receive_data(data) if data else []
         except (h2.exceptions.ProtocolError, GoawayTooLarge) as e:
-            self.log.warn("HTTP/2 protocol error from {peer}: {error}", peer=self._peer_text(), error=e)
             self._protocol_error(e)
             return
         for event in events:
@@ -368,16 +399,22 @@ class HBONEConnection(Protocol):
 
     def connectionLost(self, reason=None) -> None:
         self._connected = False
-        for timer in (self._keepalive_timer, self._ping_timeout, self._drain_timer, self._ping_wait_timer):
-            if timer is not None and timer.active():
-                timer.cancel()
+        for timer in (
+            self._keepalive_timer,
+            self._ping_timeout,
+            self._drain_timer,
+            self._ping_wait_timer,
+            self._handshake_timer,
+            self._idle_timer,
+        ):
+            _cancel(timer)
         if not self.ready.called:
             self.ready.errback(reason)
         for stream in list(self.streams.values()):
             stream._connection_lost(reason)
-        if self.close_reason is None:
-            self.close_reason = "closed by peer" if reason is None or reason.check(error.ConnectionDone) else reason.getErrorMessage()
-        self.closed.callback(self.close_reason)
+        if self.ended_by is None:
+            self.ended_by = "peer" if reason is None or reason.check(error.ConnectionDone) else "lost"
+        self.closed.callback(self.ended_by)
 
     # -- IPushProducer: the TLS transport's write buffer --------------------------
 
@@ -386,6 +423,7 @@ class HBONEConnection(Protocol):
 
     def resumeProducing(self) -> None:
         self._transport_paused = False
+        self._unread_control_bytes = 0
         for stream in list(self.streams.values()):
             stream._flush(self.h2)
         self._flush_h2()
@@ -431,11 +469,11 @@ class HBONEConnection(Protocol):
         bounds the wait; what is left then is reset.
         """
         if not self._connected:
-            return defer.succeed(self.close_reason)
+            return defer.succeed(self.ended_by)
         closed = defer.Deferred()
         self.closed.addBoth(lambda r: (closed.callback(r), r)[1])
         if not graceful:
-            self.abort_connection("closed abruptly")
+            self.abort_connection("abrupt")
             return closed
         if self._draining:
             return closed
@@ -450,10 +488,10 @@ class HBONEConnection(Protocol):
             self._ping_wait_timer = self.clock.callLater(self.settings.goaway_ping_wait, self._second_goaway)
         return closed
 
-    def abort_connection(self, reason: str) -> None:
-        """Close without close_notify and reset every stream."""
-        if self.close_reason is None:
-            self.close_reason = reason
+    def abort_connection(self, ended_by: str) -> None:
+        """Close without close_notify; every stream is reset. ``ended_by``: one of :data:`ENDINGS`."""
+        if self.ended_by is None:
+            self.ended_by = ended_by
         if self._connected:
             self.transport.abortConnection()
 
@@ -474,14 +512,13 @@ class HBONEConnection(Protocol):
             )
             for stream in list(self.streams.values()):
                 stream.reset(h2.errors.ErrorCodes.CANCEL)
-            self._flush_h2()
-            self.close_reason = "drain deadline"
+            self.ended_by = "drain-deadline"
             self._close_with_close_notify()
 
     def _close_when_idle(self) -> None:
         if self._draining and not self.streams and self._connected:
-            if self.close_reason is None:
-                self.close_reason = "drained"
+            if self.ended_by is None:
+                self.ended_by = "drained"
             self._close_with_close_notify()
 
     def _close_with_close_notify(self) -> None:
@@ -512,9 +549,46 @@ class HBONEConnection(Protocol):
         self._close_when_idle()
 
     def _protocol_error(self, exc: Exception) -> None:
-        code = getattr(exc, "error_code", h2.errors.ErrorCodes.PROTOCOL_ERROR)
+        kind = _limit_kind(exc)
+        self.log.warn(
+            "HTTP/2 protocol error from {peer} ({kind}): {error}", peer=self._peer_text(), kind=kind, error=exc
+        )
+        self._limit_hit(kind, str(exc))
+        code = getattr(exc, "error_code", None) or h2.errors.ErrorCodes.PROTOCOL_ERROR
         self._send_goaway(self.h2.highest_inbound_stream_id, int(code))
-        self.abort_connection(f"protocol error: {exc}")
+        self.abort_connection("protocol-error")
+
+    def _flood(self, kind: str, detail: str) -> None:
+        self.log.warn("closing connection from {peer}: {kind} flood ({detail})", peer=self._peer_text(), kind=kind, detail=detail)
+        self._limit_hit(kind, detail)
+        self._send_goaway(self.h2.highest_inbound_stream_id, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        self.abort_connection("flood")
+
+    def _limit_hit(self, kind: str, detail: str) -> None:
+        if self.on_limit is not None:
+            self.on_limit(kind, detail)
+
+    def _handshake_timed_out(self) -> None:
+        self.log.info(
+            "TLS handshake with {peer} not done after {timeout} s: closing", peer=self._peer_text(), timeout=self.settings.handshake_timeout
+        )
+        self._limit_hit("handshake-timeout", "")
+        self.abort_connection("handshake-timeout")
+
+    def _idle_timed_out(self) -> None:
+        self.log.info("connection from {peer} opened no stream in {timeout} s: closing", peer=self._peer_text(), timeout=self.settings.idle_timeout)
+        self._limit_hit("idle-timeout", "")
+        self.ended_by = "idle-timeout"
+        self._close_with_close_notify()
+
+    def _count_peer_reset(self) -> None:
+        now = self.clock.seconds()
+        if now - self._reset_window_start >= 1.0:
+            self._reset_window_start = now
+            self._resets_in_window = 0
+        self._resets_in_window += 1
+        if self._resets_in_window > self.settings.max_peer_resets_per_second:
+            self._flood("rapid-reset", f"more than {self.settings.max_peer_resets_per_second} stream resets in a second")
 
     # -- keepalive ------------------------------------------------------------
 
@@ -541,7 +615,7 @@ class HBONEConnection(Protocol):
             peer=self._peer_text(),
             timeout=self.settings.keepalive_timeout,
         )
-        self.abort_connection("keepalive timeout")
+        self.abort_connection("keepalive-timeout")
 
     def _ping(self, on_answer: Callable[[], None]) -> None:
         opaque = os.urandom(8)
@@ -573,6 +647,10 @@ class HBONEConnection(Protocol):
             if stream is not None and not stream._remote_closed:
                 stream._remote_ended()
         elif isinstance(event, h2.events.StreamReset):
+            if event.remote_reset:
+                self._count_peer_reset()
+                if not self._connected:
+                    return
             stream = self.streams.get(event.stream_id)
             if stream is not None:
                 stream._remote_reset(event.error_code)
@@ -597,11 +675,12 @@ class HBONEConnection(Protocol):
                 on_answer()
         elif isinstance(event, h2.events.ConnectionTerminated):
             # Only reached if h2 itself ends the connection; GOAWAY frames are filtered.
-            self.abort_connection(f"connection terminated: {event.error_code}")
+            self.abort_connection("protocol-error")
         elif isinstance(event, h2.events.TrailersReceived):
             pass
 
     def _request_received(self, event) -> None:
+        _cancel(self._idle_timer)
         headers = dict(event.headers)
         stream = Stream(self, event.stream_id, headers)
         self.streams[event.stream_id] = stream
@@ -695,6 +774,13 @@ class HBONEConnection(Protocol):
     def _flush_h2(self) -> None:
         data = self.h2.data_to_send()
         if data and self._connected:
+            if self._transport_paused:
+                # Stream data is never written while paused: this is control
+                # traffic the peer provokes but does not read.
+                self._unread_control_bytes += len(data)
+                if self._unread_control_bytes > self.settings.max_unread_control_bytes:
+                    self._flood("control-frame", f"{self._unread_control_bytes} bytes of control frames unread")
+                    return
             self.transport.write(data)
 
     def _peer_text(self) -> str:
@@ -705,3 +791,16 @@ class HBONEConnection(Protocol):
             return f"{peer.host}:{peer.port}"
         except Exception:
             return "unknown peer"
+
+
+def _cancel(timer) -> None:
+    if timer is not None and timer.active():
+        timer.cancel()
+
+
+def _limit_kind(exc: Exception) -> str:
+    if isinstance(exc, h2.exceptions.TooManyStreamsError):
+        return "max-concurrent-streams"
+    if isinstance(exc, h2.exceptions.DenialOfServiceError) or "header" in str(exc).lower() and "size" in str(exc).lower():
+        return "header-list-size"
+    return "protocol-error"

@@ -10,7 +10,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from ztwisted.authz import authorize
 from ztwisted.h2.connection import HBONEConnection, Stream
-from ztwisted.hbone.tracking import ConnectionRecord
+from ztwisted.hbone.tracking import ConnectionRecord, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
 from ztwisted.sockets import connect_tcp, original_destination
 from ztwisted.splice import TCPEnd, splice
@@ -49,6 +49,7 @@ class InboundHBONE:
         return TLSMemoryBIOFactory(self._tls, False, _ConnectionFactory(self))
 
     def _connection_made(self, connection: HBONEConnection) -> None:
+        track_hbone_connection(self.node.metrics, connection, "inbound")
         self.connections.add(connection)
         connection.closed.addBoth(lambda reason: self.connections.discard(connection))
         connection.ready.addErrback(self._handshake_failed, connection)

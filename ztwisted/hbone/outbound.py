@@ -12,7 +12,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from ztwisted.h2.connection import ConnectionGone, HBONEConnection, TunnelError, TunnelRefused
 from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory
-from ztwisted.hbone.tracking import ConnectionRecord
+from ztwisted.hbone.tracking import ConnectionRecord, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
 from ztwisted.sockets import connect_tcp, original_destination
 from ztwisted.splice import TCPEnd, splice
@@ -40,8 +40,12 @@ class Outbound:
             node.reactor,
             self._connect_hbone,
             connect_timeout=node.connect_timeout,
-            on_connection_opened=lambda key, connection: node.metrics.pool_connections_opened.inc(),
+            on_connection_opened=self._connection_opened,
         )
+
+    def _connection_opened(self, key: PoolKey, connection: HBONEConnection) -> None:
+        self.node.metrics.pool_connections_opened.inc()
+        track_hbone_connection(self.node.metrics, connection, "outbound")
 
     def connect(self, app: TCPEnd, source: tuple[str, int], host: str, port: int) -> defer.Deferred:
         """Open the upstream for ``app`` and splice them; fires when the upstream is open."""

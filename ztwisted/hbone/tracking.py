@@ -50,3 +50,27 @@ class ConnectionRecord:
         if error:
             fields["error"] = error
         access_log(log, **fields)
+
+
+def track_hbone_connection(metrics, connection, direction: str) -> None:
+    """Count an HBONE connection while it is open, how it ended, and the limits its peer hit."""
+    open_connections = metrics.hbone_connections.labels(direction=direction)
+    open_connections.inc()
+    ended = metrics.counter(
+        "ztwisted_hbone_connections_closed_total",
+        "HBONE connections closed, by how they ended (drained, drain-deadline, abrupt, peer, ...)",
+        ("direction", "ended_by"),
+    )
+    limits = metrics.counter(
+        "ztwisted_hbone_limit_hits_total",
+        "Peers that tripped a protection limit (flood, rapid reset, stream or header limits, timeouts)",
+        ("direction", "kind"),
+    )
+
+    def closed(ended_by):
+        open_connections.dec()
+        ended.labels(direction=direction, ended_by=ended_by or "lost").inc()
+        return ended_by
+
+    connection.closed.addCallback(closed)
+    connection.on_limit = lambda kind, detail: limits.labels(direction=direction, kind=kind).inc()

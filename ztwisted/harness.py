@@ -78,19 +78,19 @@ class NodeProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(self.env or {})
+        self.log_path.unlink(missing_ok=True)
         self._log_file = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             self.command(), cwd=self.workdir, stdout=self._log_file, stderr=subprocess.STDOUT, env=env
         )
         deadline = time.monotonic() + timeout
+        # The node's own log says when it is ready: with SO_REUSEPORT, the
+        # readiness port may be answered by another process on the same ports.
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"node {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if self.http("readiness", "/healthz/ready")[0] == 200:
-                    return self
-            except OSError:
-                pass
+            if any(event.get("message", "").startswith("node proxy ready") for event in self.log_events()):
+                return self
             time.sleep(0.1)
         self.kill()
         raise RuntimeError(f"node {self.name} not ready within {timeout} s:\n{self.log_tail()}")

@@ -1,7 +1,7 @@
 """The zope interfaces of ztwisted, in one place."""
 
 from twisted.internet.interfaces import IPushProducer
-from zope.interface import Attribute
+from zope.interface import Attribute, Interface
 
 
 class IPipeEnd(IPushProducer):
@@ -30,3 +30,33 @@ class IPipeEnd(IPushProducer):
 
     def abort():
         """Tear this end down at once (TCP RST / RST_STREAM)."""
+
+
+class IDrainStrategy(Interface):
+    """How connections end when pods or the proxy go away.
+
+    A strategy receives the lifecycle events below and acts through the
+    node's drain facade (:class:`ztwisted.drain.facade.DrainFacade`). Each
+    handler may return a Deferred; the event is complete when it fires.
+    Built-in and third-party strategies are Twisted plugins: objects
+    providing ``twisted.plugin.IPlugin`` and this interface in a
+    ``twisted/plugins/`` module.
+    """
+
+    name = Attribute("The name used with --drain-strategy (lower case, no commas).")
+    description = Attribute("One line for --drain-strategy help.")
+
+    def attach(node):
+        """Called once when the proxy starts, before any event: configure the node if needed."""
+
+    def pod_terminating(node, workload):
+        """A local pod started terminating; it is still Running and must keep accepting traffic."""
+
+    def pod_removed(node, workload):
+        """A local pod is going away; the node closes what is left once this completes."""
+
+    def destination_removed(node, workload):
+        """A remote workload disappeared from discovery."""
+
+    def proxy_stopping(node):
+        """The proxy process is shutting down; the node drains what is left once this completes."""

@@ -6,7 +6,6 @@ later, drain strategies) act through.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 
 from twisted.application import service
@@ -14,6 +13,9 @@ from twisted.internet import defer
 from twisted.logger import Logger
 
 from ztwisted.ca import CertificateStore
+from ztwisted.drain.admin import drain_admin_routes
+from ztwisted.drain.coordinator import DrainCoordinator
+from ztwisted.drain.facade import DrainFacade, drain_all
 from ztwisted.h2.connection import H2Settings
 from ztwisted.hbone.inbound import InboundHBONE, InboundPlaintext
 from ztwisted.hbone.outbound import Outbound
@@ -23,6 +25,8 @@ from ztwisted.sockets import listen_tcp
 log = Logger()
 
 DEFAULT_DRAIN_TIMEOUT = 5.0
+#: under a real node agent's 5 s Ack timeout
+DEFAULT_POD_DRAIN_TIMEOUT = 3.0
 
 
 def drain_timeout_from_environment(environ=os.environ) -> float:
@@ -69,10 +73,12 @@ class Node(service.MultiService):
         node_name: str | None,
         certificate_authority,
         metrics,
+        strategies=(),
         hbone_port: int = 15008,
         plaintext_port: int | None = 15006,
         connect_timeout: float = 10.0,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        pod_drain_timeout: float = DEFAULT_POD_DRAIN_TIMEOUT,
         keepalive: tuple[float, float] = (10.0, 20.0),
         config_source: str = "<built-in example>",
     ):
@@ -85,6 +91,7 @@ class Node(service.MultiService):
         self.plaintext_port = plaintext_port
         self.connect_timeout = connect_timeout
         self.drain_timeout = drain_timeout
+        self.pod_drain_timeout = pod_drain_timeout
         self.config_source = config_source
         self.certificates = CertificateStore(certificate_authority, reactor)
         interval, timeout = keepalive
@@ -92,37 +99,77 @@ class Node(service.MultiService):
         self.client_h2_settings = H2Settings.client(keepalive_interval=interval, keepalive_timeout=timeout)
         self.outbound = Outbound(self)
         self.listeners: dict[str, WorkloadListeners] = {}
-        self._local_by_ip: dict = {}
+        self.coordinator = DrainCoordinator(strategies, DrainFacade(self), metrics, reactor)
+        self._removed_uids: set[str] = set()
         self._pending: set[str] = {"listeners"}
+        self._stopping: defer.Deferred | None = None
+        self._drain_deadline: float | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
     def startService(self) -> None:
+        self.coordinator.attach()
         self._start_listeners(self.local_workloads())
         self._pending.discard("listeners")
         super().startService()
+        log.info(
+            "node proxy ready: {count} local workloads, drain strategies {strategies}",
+            count=len(self.local_workloads()),
+            strategies=self.coordinator.names,
+        )
 
     def stopService(self) -> defer.Deferred:
-        """Proxy stopping: stop accepting, drain gracefully, force what is left at the deadline."""
-        log.info("proxy stopping: draining connections (deadline {deadline} s)", deadline=self.drain_timeout)
+        """Proxy stopping: stop accepting, let the strategies act, then drain what is left up to the deadline."""
         stopped_children = defer.maybeDeferred(super().stopService)
-        listeners = list(self.listeners.values())
-        self.listeners.clear()
-        draining = [listener.stop_listening() for listener in listeners]
-        draining += [listener.drain(True, self.drain_timeout) for listener in listeners]
-        draining.append(self.outbound.pool.close_all(graceful=True, deadline=self.drain_timeout))
-        done = defer.DeferredList([stopped_children, *draining], consumeErrors=True)
+        drained = self.begin_proxy_drain()
+        done = defer.DeferredList([stopped_children, drained], consumeErrors=True)
         done.addCallback(lambda _: self.certificates.stop())
         return done
+
+    def begin_proxy_drain(self) -> defer.Deferred:
+        """The *proxy stopping* event (SIGTERM, ``POST /quitquitquit``, ``POST /drain``); runs once."""
+        if self._stopping is not None:
+            return _follow(self._stopping)
+        log.info("proxy stopping: draining connections (deadline {deadline} s)", deadline=self.drain_timeout)
+        self._pending.add("draining")
+        self._drain_deadline = self.reactor.seconds() + self.drain_timeout
+        listeners = list(self.listeners.values())
+        stopped = [listener.stop_listening() for listener in listeners]
+        strategies_done = self.coordinator.proxy_stopping()
+        strategies_done.addErrback(lambda failure: None)
+
+        def drain_the_rest(_):
+            left = self.drain_time_left()
+            connections = [c for listener in listeners for c in listener.hbone.connections] + self.outbound.pool.connections()
+            return drain_all(connections, graceful=True, deadline=left)
+
+        strategies_done.addCallback(drain_the_rest)
+        self._stopping = defer.DeferredList([*stopped, strategies_done], consumeErrors=True)
+        self._stopping.addCallback(lambda _: log.info("proxy drain complete"))
+        return _follow(self._stopping)
+
+    def drain_time_left(self) -> float:
+        if self._drain_deadline is None:
+            return self.drain_timeout
+        return max(0.0, self._drain_deadline - self.reactor.seconds())
+
+    def stop_now(self) -> None:
+        """A second SIGTERM/SIGINT: end every connection at once."""
+        log.info("stopping at once: aborting every connection")
+        for listener in self.listeners.values():
+            for connection in list(listener.hbone.connections):
+                connection.drain(graceful=False)
+        for connection in self.outbound.pool.connections():
+            connection.drain(graceful=False)
 
     def quit(self) -> None:
         """``POST /quitquitquit``: stop the process the way SIGTERM does."""
         self.reactor.stop()
 
-    # -- the mesh ---------------------------------------------------------------
+    # -- the mesh and pod lifecycle -----------------------------------------------
 
     def local_workloads(self):
-        return self.mesh.local_workloads(self.node_name)
+        return tuple(w for w in self.mesh.local_workloads(self.node_name) if w.uid not in self._removed_uids)
 
     def local_workload_by_ip(self, ip):
         workload = self.mesh.workload_by_ip(ip)
@@ -130,24 +177,55 @@ class Node(service.MultiService):
             return None
         return workload
 
+    def local_workload(self, uid_or_name: str):
+        """A local workload by uid, or by ``name`` / ``namespace/name``."""
+        for workload in self.local_workloads():
+            if uid_or_name in (workload.uid, workload.name, f"{workload.namespace}/{workload.name}"):
+                return workload
+        return None
+
+    def pod_terminating(self, workload) -> defer.Deferred:
+        return self.coordinator.pod_terminating(workload)
+
+    def remove_pod(self, workload) -> defer.Deferred:
+        """*pod removed*: the strategies act, then what is left of the pod is closed."""
+        self._removed_uids.add(workload.uid)
+        removing = self.coordinator.pod_removed(workload)
+        removing.addErrback(lambda failure: None)
+        removing.addCallback(lambda _: self._close_pod(workload))
+        return removing
+
+    def _close_pod(self, workload) -> defer.Deferred:
+        listener = self.listeners.pop(workload.uid, None)
+        if listener is None:
+            return defer.succeed(None)
+        return defer.DeferredList([listener.stop_listening(), listener.drain(graceful=False, deadline=None)])
+
     def apply_mesh(self, mesh: Mesh) -> None:
-        """Switch to a new configuration (a reload): listeners follow the local workloads."""
-        old = self.mesh
+        """Switch to a new configuration (a reload); removed workloads raise drain events."""
+        old_local = {w.uid: w for w in self.local_workloads()}
+        changes = diff(self.mesh, mesh)
         self.mesh = mesh
+        self._removed_uids &= {w.uid for w in mesh.workloads}
         if not self.running:
             return
-        changes = diff(old, mesh)
-        local_uids = {w.uid for w in self.local_workloads()}
-        gone = [w for w in changes.removed] + [old_w for old_w, new_w in changes.changed]
-        for workload in gone:
-            listener = self.listeners.pop(workload.uid, None)
-            if listener is not None:
-                self._remove_listener(listener)
-        started = [w for w in changes.added] + [new_w for old_w, new_w in changes.changed]
-        self._start_listeners([w for w in started if w.uid in local_uids and w.uid not in self.listeners])
-        for uid in list(self.listeners):
-            if uid not in local_uids:
-                self._remove_listener(self.listeners.pop(uid))
+        new_local = {w.uid: w for w in self.local_workloads()}
+        for old, new in changes.changed:
+            if old.uid in old_local:
+                self.remove_pod(old).addCallback(lambda _, uid=new.uid: self._start_listeners_for(uid))
+        changed = {old.uid for old, _ in changes.changed}
+        for uid, workload in old_local.items():
+            if uid not in new_local and uid not in changed:
+                self.remove_pod(workload)
+        for workload in changes.removed:
+            if workload.uid not in old_local:
+                self.coordinator.destination_removed(workload)
+        self._start_listeners([w for uid, w in new_local.items() if uid not in self.listeners and uid not in changed])
+
+    def _start_listeners_for(self, uid: str) -> None:
+        workload = next((w for w in self.local_workloads() if w.uid == uid), None)
+        if workload is not None and uid not in self.listeners:
+            self._start_listeners([workload])
 
     def _start_listeners(self, workloads) -> None:
         for workload in workloads:
@@ -161,18 +239,13 @@ class Node(service.MultiService):
                     error=e,
                 )
 
-    def _remove_listener(self, listener: WorkloadListeners) -> None:
-        # Until the drain strategies decide otherwise: ztunnel's behaviour, close at once.
-        listener.stop_listening()
-        listener.drain(graceful=False, deadline=None)
-
     # -- admin facade -----------------------------------------------------------
 
     def readiness(self) -> list[str]:
         return sorted(self._pending)
 
     def admin_routes(self) -> dict:
-        return {}
+        return drain_admin_routes(self)
 
     def config_dump(self) -> dict:
         local = {w.uid for w in self.local_workloads()}
@@ -223,5 +296,8 @@ def _service_dump(service) -> dict:
     }
 
 
-def ip_of(text: str):
-    return ipaddress.ip_address(text)
+def _follow(deferred: defer.Deferred) -> defer.Deferred:
+    """A new Deferred that fires with ``deferred``'s result, leaving ``deferred`` untouched."""
+    follower = defer.Deferred()
+    deferred.addBoth(lambda result: (follower.callback(None), result)[1])
+    return follower

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-from twisted.application import service, strports
+from twisted.application import service
 from twisted.internet import reactor as global_reactor
 from twisted.logger import ILogObserver, Logger
 from twisted.python import usage
@@ -15,9 +16,11 @@ from ztwisted import __version__
 from ztwisted.admin import admin_resource, metrics_resource, readiness_resource
 from ztwisted.ca import CAError, CertificateAuthority
 from ztwisted.config import ConfigError, ConfigWatcher, builtin_example_path, load_config
+from ztwisted.drain.registry import DEFAULT_STRATEGY, UnknownStrategy, describe, select
 from ztwisted.logs import observer_for
 from ztwisted.metrics import Metrics
 from ztwisted.node import Node, drain_timeout_from_environment
+from ztwisted.sockets import allow_accept_queue_migration, listener_service
 
 log = Logger()
 
@@ -56,6 +59,7 @@ class Options(usage.Options):
         ["drain-timeout", None, None, "Seconds to wait for connections when the proxy stops "
          "(default: from TERMINATION_GRACE_PERIOD_SECONDS as ztunnel does, else 5)."],
         ["connect-timeout", None, 10.0, "Seconds to connect to a peer (TCP and TLS).", float],
+        ["pod-drain-timeout", None, 3.0, "Seconds a pod-removal drain may take (keep it under the node agent's Ack timeout).", float],
         ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
         ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
     ]
@@ -64,7 +68,23 @@ class Options(usage.Options):
         print(f"ztwisted {__version__}")
         sys.exit(0)
 
+    def __init__(self):
+        super().__init__()
+        self["drain-strategy"] = DEFAULT_STRATEGY
+
+    def opt_drain_strategy(self, spec: str) -> None:
+        """Drain strategies, comma separated; `help` lists the installed ones [default: immediate]."""
+        if spec == "help":
+            print("Installed drain strategies (compose with commas, e.g. client-evict,last-mile):")
+            print(describe())
+            sys.exit(0)
+        self["drain-strategy"] = spec
+
     def postOptions(self) -> None:
+        try:
+            self.strategies = select(self["drain-strategy"])
+        except UnknownStrategy as e:
+            raise usage.UsageError(str(e)) from None
         if self["log-format"] not in ("json", "text"):
             raise usage.UsageError(f"--log-format must be json or text, not {self['log-format']!r}")
         if self["drain-timeout"] is not None:
@@ -94,11 +114,38 @@ class Options(usage.Options):
 
 
 class ProxyService(service.MultiService):
-    """The root service; also picks the log format when twistd attaches it to the application."""
+    """The root service: picks the log format when twistd attaches it to the application, and
+    makes a second SIGTERM/SIGINT during the drain stop at once."""
 
-    def __init__(self, log_format: str):
+    def __init__(self, log_format: str, reactor):
         super().__init__()
         self.log_format = log_format
+        self.reactor = reactor
+        self.node: Node | None = None
+
+    def startService(self):
+        super().startService()
+        if self.reactor is global_reactor:
+            # After the reactor installed its own handlers, which stay in charge of the first signal.
+            self.reactor.callLater(0, self._chain_signal_handlers)
+
+    def stopService(self):
+        self._stopping = True
+        return super().stopService()
+
+    _stopping = False
+
+    def _chain_signal_handlers(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(signum)
+
+            def handler(number, frame, previous=previous):
+                if self._stopping and self.node is not None:
+                    self.reactor.callFromThread(self.node.stop_now)
+                elif callable(previous):
+                    previous(number, frame)
+
+            signal.signal(signum, handler)
 
     def setServiceParent(self, parent):
         if self.log_format == "json" and hasattr(parent, "setComponent"):
@@ -121,7 +168,7 @@ class _ConfigWatchService(service.Service):
 
 def makeService(config: Options, reactor=global_reactor) -> service.IService:
     metrics = Metrics()
-    root = ProxyService(config["log-format"])
+    root = ProxyService(config["log-format"], reactor)
     node = Node(
         reactor,
         mesh=config.mesh,
@@ -132,10 +179,15 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
         plaintext_port=config["inbound-plaintext-port"],
         connect_timeout=config["connect-timeout"],
         drain_timeout=config["drain-timeout"],
+        pod_drain_timeout=config["pod-drain-timeout"],
+        strategies=config.strategies,
         keepalive=(config["keepalive-interval"], config["keepalive-timeout"]),
         config_source=config["config"] or "<built-in example>",
     )
     node.setServiceParent(root)
+    root.node = node
+    if not allow_accept_queue_migration():
+        log.info("could not set net.ipv4.tcp_migrate_req=1: a restart may reset connections waiting in accept queues")
     for description, factory in [
         (config["socks5"], node.outbound.socks5_factory()),
         (config["outbound"], node.outbound.redirect_factory()),
@@ -144,7 +196,7 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
         (config["readiness"], Site(readiness_resource(node))),
     ]:
         if description and description != "none":
-            strports.service(description, factory, reactor=reactor).setServiceParent(node)
+            listener_service(description, factory, reactor).setServiceParent(node)
     if config["config"]:
 
         def reloaded(mesh):

@@ -475,11 +475,11 @@ class HBONEConnection(Protocol):
         if not graceful:
             self.abort_connection("abrupt")
             return closed
+        if deadline is not None:
+            self._set_drain_deadline(deadline)
         if self._draining:
             return closed
         self._draining = True
-        if deadline is not None:
-            self._drain_timer = self.clock.callLater(deadline, self._drain_deadline)
         if self.client:
             self._close_when_idle()
         else:
@@ -487,6 +487,14 @@ class HBONEConnection(Protocol):
             self._ping(self._second_goaway)
             self._ping_wait_timer = self.clock.callLater(self.settings.goaway_ping_wait, self._second_goaway)
         return closed
+
+    def _set_drain_deadline(self, seconds: float) -> None:
+        """Keep the earliest of the deadlines asked for."""
+        if self._drain_timer is not None and self._drain_timer.active():
+            if self._drain_timer.getTime() <= self.clock.seconds() + seconds:
+                return
+            self._drain_timer.cancel()
+        self._drain_timer = self.clock.callLater(seconds, self._drain_deadline)
 
     def abort_connection(self, ended_by: str) -> None:
         """Close without close_notify; every stream is reset. ``ended_by``: one of :data:`ENDINGS`."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 import attr
 from twisted.internet import defer
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from ztwisted.h2.connection import HBONEConnection, StreamRefused
@@ -52,6 +53,9 @@ class ConnectionPool:
         self._connecting: dict[PoolKey, list[defer.Deferred]] = {}
         self._idle_timers: dict[HBONEConnection, object] = {}
         self._keys: dict[HBONEConnection, PoolKey] = {}
+        self._failures: dict[PoolKey, int] = {}
+        #: ``delay(consecutive_failures) -> seconds`` before a new connect attempt, or None
+        self.connect_backoff = None
 
     def open_tunnel(self, key: PoolKey, authority: str, headers: Iterable[tuple[str, str]] = ()) -> defer.Deferred:
         """Fires with an open :class:`~ztwisted.h2.connection.Stream` to ``authority``."""
@@ -83,19 +87,29 @@ class ConnectionPool:
             await waiter
 
     def _start_connect(self, key: PoolKey) -> None:
-        attempt = self._connect(key)
-        attempt.addTimeout(self.connect_timeout, self.clock)
+        failures = self._failures.get(key, 0)
+        delay = self.connect_backoff.delay(failures) if self.connect_backoff is not None and failures else 0
+        if delay > 0:
+            attempt = deferLater(self.clock, delay, self._connect, key)
+        else:
+            attempt = self._connect(key)
+        attempt.addTimeout(self.connect_timeout + delay, self.clock)
 
         def connected(connection: HBONEConnection):
+            self._failures.pop(key, None)
             self._add(key, connection)
             return None
+
+        def failed(failure):
+            self._failures[key] = self._failures.get(key, 0) + 1
+            return failure
 
         def done(result):
             waiters = self._connecting.pop(key, [])
             for waiter in waiters:
                 waiter.callback(None) if result is None else waiter.errback(result)
 
-        attempt.addCallback(connected)
+        attempt.addCallbacks(connected, failed)
         attempt.addBoth(done)
 
     def _add(self, key: PoolKey, connection: HBONEConnection) -> None:
@@ -137,12 +151,13 @@ class ConnectionPool:
         """No new streams on ``connection``; close it cleanly after its last stream."""
         return connection.drain(graceful=True, deadline=deadline)
 
-    def connections(self, destination_ip: str | None = None) -> list[HBONEConnection]:
-        """Pooled connections, all or those to one destination IP."""
+    def connections(self, destination_ip: str | None = None, source_ip: str | None = None) -> list[HBONEConnection]:
+        """Pooled connections: all, or those to one destination IP and/or from one source IP."""
         return [
             connection
             for key, connections in self._connections.items()
-            if destination_ip is None or key.destination[0] == destination_ip
+            if (destination_ip is None or key.destination[0] == destination_ip)
+            and (source_ip is None or key.source_ip == source_ip)
             for connection in connections
         ]
 

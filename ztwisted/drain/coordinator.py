@@ -1,0 +1,73 @@
+"""Delivers drain events to the selected strategies, measures them, and composes their results."""
+
+from __future__ import annotations
+
+from twisted.internet import defer
+from twisted.logger import Logger
+
+log = Logger()
+
+EVENTS = ("pod_terminating", "pod_removed", "destination_removed", "proxy_stopping")
+
+
+class DrainCoordinator:
+    """Each event goes to each strategy in order; it completes when all of theirs have."""
+
+    def __init__(self, strategies, facade, metrics, clock):
+        self.strategies = list(strategies)
+        self.facade = facade
+        self.clock = clock
+        self._events = metrics.counter(
+            "ztwisted_drain_events_total", "Drain events delivered, per strategy", ("strategy", "event")
+        )
+        self._failures = metrics.counter(
+            "ztwisted_drain_event_failures_total", "Drain event handlers that failed", ("strategy", "event")
+        )
+        self._durations = metrics.histogram(
+            "ztwisted_drain_duration_seconds",
+            "How long drain events took to complete",
+            ("event",),
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60),
+        )
+
+    @property
+    def names(self) -> str:
+        return ",".join(s.name for s in self.strategies)
+
+    def attach(self) -> None:
+        for strategy in self.strategies:
+            strategy.attach(self.facade)
+
+    def pod_terminating(self, workload) -> defer.Deferred:
+        return self._deliver("pod_terminating", workload)
+
+    def pod_removed(self, workload) -> defer.Deferred:
+        return self._deliver("pod_removed", workload)
+
+    def destination_removed(self, workload) -> defer.Deferred:
+        return self._deliver("destination_removed", workload)
+
+    def proxy_stopping(self) -> defer.Deferred:
+        return self._deliver("proxy_stopping")
+
+    def _deliver(self, event: str, *args) -> defer.Deferred:
+        started = self.clock.seconds()
+        subject = args[0].name if args else "proxy"
+        log.info("drain event {event} for {subject}: strategies {strategies}", event=event, subject=subject, strategies=self.names)
+        results = []
+        for strategy in self.strategies:
+            self._events.labels(strategy=strategy.name, event=event).inc()
+            handled = defer.maybeDeferred(getattr(strategy, event), self.facade, *args)
+            handled.addErrback(self._failed, strategy, event, subject)
+            results.append(handled)
+
+        def done(_):
+            elapsed = self.clock.seconds() - started
+            self._durations.labels(event=event).observe(elapsed)
+            log.info("drain event {event} for {subject} complete after {elapsed:.3f} s", event=event, subject=subject, elapsed=elapsed)
+
+        return defer.gatherResults(results).addCallback(done)
+
+    def _failed(self, failure, strategy, event, subject) -> None:
+        self._failures.labels(strategy=strategy.name, event=event).inc()
+        log.failure("drain strategy {strategy} failed on {event} for {subject}", failure, strategy=strategy.name, event=event, subject=subject)

@@ -1,0 +1,140 @@
+"""The built-in drain strategies: the seed discussion's options, and Envoy's gradual drain.
+
+Their plugin objects are in ``plugins/ztwisted_strategies.py``. Each handler
+gets the node's :class:`~ztwisted.drain.facade.DrainFacade`. What a strategy
+leaves undone the node does after the event: on *pod removed* it closes the
+pod's listeners and aborts its remaining connections (ztunnel's behaviour);
+on *proxy stopping* it drains everything gracefully up to the deadline.
+"""
+
+from __future__ import annotations
+
+import random
+
+from twisted.internet import defer
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.plugin import IPlugin
+from zope.interface import implementer
+
+from ztwisted.drain.facade import drain_all
+from ztwisted.interfaces import IDrainStrategy
+
+log = Logger()
+
+
+@implementer(IPlugin, IDrainStrategy)
+class DrainStrategy:
+    """A strategy that does nothing on any event; subclasses override what they handle."""
+
+    name = ""
+    description = ""
+
+    def attach(self, node) -> None:
+        pass
+
+    def pod_terminating(self, node, workload):
+        return None
+
+    def pod_removed(self, node, workload):
+        return None
+
+    def destination_removed(self, node, workload):
+        return None
+
+    def proxy_stopping(self, node):
+        return None
+
+    def __repr__(self) -> str:
+        return f"<drain strategy {self.name}>"
+
+
+class Immediate(DrainStrategy):
+    name = "immediate"
+    description = "ztunnel today: on pod removal close its listeners and connections at once, no GOAWAY"
+
+    def pod_removed(self, node, workload):
+        node.stop_listening(workload)
+        return drain_all(node.inbound_connections(workload), graceful=False, deadline=None)
+
+
+class GoawayOnStart(DrainStrategy):
+    name = "goaway-on-start"
+    description = "seed option 1: when a pod starts terminating, graceful GOAWAY on its inbound connections"
+
+    def pod_terminating(self, node, workload):
+        # The pod still accepts new connections; clients reconnect on demand.
+        # The event completes once the GOAWAYs are sent, not when streams end.
+        connections = node.inbound_connections(workload)
+        for connection in connections:
+            connection.drain(graceful=True, deadline=None)
+        log.info("GOAWAY sent on {count} connections of terminating pod {pod}", count=len(connections), pod=workload.name)
+
+
+class LastMile(DrainStrategy):
+    name = "last-mile"
+    description = "seed option 2: on pod removal (network still up) GOAWAY, finish streams, close_notify, then Ack"
+
+    def pod_removed(self, node, workload):
+        node.stop_listening(workload)
+        deadline = node.pod_drain_timeout
+        return drain_all(
+            node.inbound_connections(workload) + node.pool_connections_from(workload), graceful=True, deadline=deadline
+        )
+
+
+class ExponentialBackoff:
+    """Per-key connect backoff: ``base * 2^(n-1)`` after the n-th consecutive failure, capped, plus jitter."""
+
+    def __init__(self, base: float = 0.025, cap: float = 1.0, jitter: float = 0.5, rng: random.Random | None = None):
+        self.base = base
+        self.cap = cap
+        self.jitter = jitter
+        self.rng = rng or random.Random()
+
+    def delay(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        delay = min(self.cap, self.base * 2 ** (failures - 1))
+        return delay * (1 + self.rng.uniform(0, self.jitter))
+
+
+class ClientEvict(DrainStrategy):
+    name = "client-evict"
+    description = "seed option 3: retire pooled connections to removed destinations; back off failing connects"
+
+    def attach(self, node) -> None:
+        node.pool.connect_backoff = ExponentialBackoff()
+
+    def destination_removed(self, node, workload):
+        connections = node.pool_connections(workload)
+        for connection in connections:
+            node.pool.retire(connection)
+        log.info("retired {count} pooled connections to removed {workload}", count=len(connections), workload=workload.name)
+
+
+class Gradual(DrainStrategy):
+    name = "gradual"
+    description = "Envoy's gradual drain: spread graceful GOAWAYs over the drain window when the proxy stops"
+
+    #: GOAWAYs are spread over this share of the drain window; the rest is for streams to finish
+    spread = 0.8
+
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random()
+
+    def proxy_stopping(self, node):
+        connections = node.inbound_connections() + node.pool_connections()
+        self.rng.shuffle(connections)
+        window = node.drain_time_left() * self.spread
+        sent = []
+        for index, connection in enumerate(connections):
+            at = window * index / max(1, len(connections))
+            sent.append(deferLater(node.clock, at, self._goaway, node, connection))
+        return defer.gatherResults(sent, consumeErrors=True)
+
+    def _goaway(self, node, connection) -> None:
+        connection.drain(graceful=True, deadline=node.drain_time_left())
+
+
+BUILT_IN = (Immediate, GoawayOnStart, LastMile, ClientEvict, Gradual)

@@ -20,7 +20,7 @@ from ztwisted.h2.connection import H2Settings
 from ztwisted.hbone.inbound import InboundHBONE, InboundPlaintext
 from ztwisted.hbone.outbound import Outbound
 from ztwisted.model import Mesh, diff
-from ztwisted.sockets import listen_tcp
+from ztwisted.network import HostNetwork
 
 log = Logger()
 
@@ -42,19 +42,43 @@ def drain_timeout_from_environment(environ=os.environ) -> float:
 
 
 class WorkloadListeners:
-    """The inbound listeners of one local workload, on each of its IPs."""
+    """The listeners of one local workload: inbound on each of its IPs, and in a pod also outbound (15001)."""
 
-    def __init__(self, node: Node, workload):
+    def __init__(self, node: Node, workload, network):
         self.workload = workload
-        self.hbone = InboundHBONE(node, workload)
-        self.plaintext = InboundPlaintext(node, workload)
+        self.network = network
+        self.hbone = InboundHBONE(node, workload, network)
+        self.plaintext = InboundPlaintext(node, workload, network)
         self.ports = []
-        for ip in workload.workload_ips:
-            self.ports.append(listen_tcp(node.reactor, str(ip), node.hbone_port, self.hbone.factory()))
-            if node.plaintext_port is not None:
-                self.ports.append(listen_tcp(node.reactor, str(ip), node.plaintext_port, self.plaintext))
+        self._closed = False
+        in_pod = not isinstance(network, HostNetwork)
+        # A pod's namespace holds only its own addresses; its redirect rules send to them or to loopback.
+        addresses = ["0.0.0.0"] if in_pod else [str(ip) for ip in workload.workload_ips]
+        self.wanted = [(ip, node.hbone_port, self.hbone.factory()) for ip in addresses]
+        if node.plaintext_port is not None:
+            self.wanted += [(ip, node.plaintext_port, self.plaintext) for ip in addresses]
+        if in_pod and node.pod_outbound_port is not None:
+            self.wanted.append(("0.0.0.0", node.pod_outbound_port, node.outbound.redirect_factory(source=workload)))
+
+    def start(self) -> defer.Deferred:
+        """Open every listener; fails (closing the ones opened) if any cannot be opened."""
+        opening = [self.network.listen(ip, port, factory).addCallback(self._opened) for ip, port, factory in self.wanted]
+        done = defer.gatherResults(opening, consumeErrors=True)
+
+        def failed(failure):
+            self.stop_listening()
+            return failure.value.subFailure if isinstance(failure.value, defer.FirstError) else failure
+
+        return done.addErrback(failed)
+
+    def _opened(self, port) -> None:
+        if self._closed:
+            port.stopListening()
+        else:
+            self.ports.append(port)
 
     def stop_listening(self) -> defer.Deferred:
+        self._closed = True
         ports, self.ports = self.ports, []
         return defer.gatherResults([defer.maybeDeferred(port.stopListening) for port in ports])
 
@@ -81,6 +105,9 @@ class Node(service.MultiService):
         pod_drain_timeout: float = DEFAULT_POD_DRAIN_TIMEOUT,
         keepalive: tuple[float, float] = (10.0, 20.0),
         config_source: str = "<built-in example>",
+        inpod: bool = False,
+        packet_mark: int | None = None,
+        pod_outbound_port: int | None = 15001,
     ):
         super().__init__()
         self.reactor = reactor
@@ -93,6 +120,11 @@ class Node(service.MultiService):
         self.drain_timeout = drain_timeout
         self.pod_drain_timeout = pod_drain_timeout
         self.config_source = config_source
+        self.inpod = inpod
+        self.pod_outbound_port = pod_outbound_port
+        self.host_network = HostNetwork(reactor, mark=packet_mark)
+        self._pods: dict[str, object] = {}
+        self._networks: dict[str, object] = {}
         self.certificates = CertificateStore(certificate_authority, reactor)
         interval, timeout = keepalive
         self.server_h2_settings = H2Settings.server(keepalive_interval=interval, keepalive_timeout=timeout)
@@ -109,8 +141,7 @@ class Node(service.MultiService):
 
     def startService(self) -> None:
         self.coordinator.attach()
-        self._start_listeners(self.local_workloads())
-        self._pending.discard("listeners")
+        self._start_listeners(self.local_workloads()).addBoth(lambda _: self._pending.discard("listeners"))
         super().startService()
         log.info(
             "node proxy ready: {count} local workloads, drain strategies {strategies}",
@@ -169,7 +200,13 @@ class Node(service.MultiService):
     # -- the mesh and pod lifecycle -----------------------------------------------
 
     def local_workloads(self):
+        if self.inpod:
+            return tuple(self._pods.values())
         return tuple(w for w in self.mesh.local_workloads(self.node_name) if w.uid not in self._removed_uids)
+
+    def network_of(self, workload):
+        """Where ``workload``'s sockets live: its pod's network namespace, or the host's."""
+        return self._networks.get(workload.uid, self.host_network)
 
     def local_workload_by_ip(self, ip):
         workload = self.mesh.workload_by_ip(ip)
@@ -187,19 +224,40 @@ class Node(service.MultiService):
     def pod_terminating(self, workload) -> defer.Deferred:
         return self.coordinator.pod_terminating(workload)
 
-    def remove_pod(self, workload) -> defer.Deferred:
-        """*pod removed*: the strategies act, then what is left of the pod is closed."""
-        self._removed_uids.add(workload.uid)
+    def start_pod(self, workload, network) -> defer.Deferred:
+        """In-pod mode: serve a pod the node agent added, with listeners in its network namespace."""
+        self._pods[workload.uid] = workload
+        self._networks[workload.uid] = network
+
+        def failed(failure):
+            self._pods.pop(workload.uid, None)
+            self._networks.pop(workload.uid, None)
+            return failure
+
+        return self._start_listener(workload).addErrback(failed)
+
+    def remove_pod(self, workload, *, forget: bool = True) -> defer.Deferred:
+        """*pod removed*: the strategies act, then what is left of the pod is closed.
+
+        ``forget=False`` keeps it local (a changed workload that is restarted).
+        """
+        if forget:
+            self._removed_uids.add(workload.uid)
         removing = self.coordinator.pod_removed(workload)
         removing.addErrback(lambda failure: None)
-        removing.addCallback(lambda _: self._close_pod(workload))
+        removing.addCallback(lambda _: self._close_pod(workload, forget))
         return removing
 
-    def _close_pod(self, workload) -> defer.Deferred:
+    def _close_pod(self, workload, forget: bool) -> defer.Deferred:
         listener = self.listeners.pop(workload.uid, None)
-        if listener is None:
-            return defer.succeed(None)
-        return defer.DeferredList([listener.stop_listening(), listener.drain(graceful=False, deadline=None)])
+        closing = []
+        if listener is not None:
+            closing = [listener.stop_listening(), listener.drain(graceful=False, deadline=None)]
+        done = defer.DeferredList(closing)
+        if forget and self._pods.pop(workload.uid, None) is not None:
+            network = self._networks.pop(workload.uid, None)
+            done.addBoth(lambda result: (network.close(), result)[1])
+        return done
 
     def apply_mesh(self, mesh: Mesh) -> None:
         """Switch to a new configuration (a reload); removed workloads raise drain events."""
@@ -209,10 +267,16 @@ class Node(service.MultiService):
         self._removed_uids &= {w.uid for w in mesh.workloads}
         if not self.running:
             return
+        if self.inpod:
+            # Local pods come and go through the node agent, not the file.
+            for workload in changes.removed:
+                if workload.uid not in old_local:
+                    self.coordinator.destination_removed(workload)
+            return
         new_local = {w.uid: w for w in self.local_workloads()}
         for old, new in changes.changed:
             if old.uid in old_local:
-                self.remove_pod(old).addCallback(lambda _, uid=new.uid: self._start_listeners_for(uid))
+                self.remove_pod(old, forget=False).addCallback(lambda _, uid=new.uid: self._start_listeners_for(uid))
         changed = {old.uid for old, _ in changes.changed}
         for uid, workload in old_local.items():
             if uid not in new_local and uid not in changed:
@@ -227,17 +291,26 @@ class Node(service.MultiService):
         if workload is not None and uid not in self.listeners:
             self._start_listeners([workload])
 
-    def _start_listeners(self, workloads) -> None:
-        for workload in workloads:
-            try:
-                self.listeners[workload.uid] = WorkloadListeners(self, workload)
-            except OSError as e:
-                log.error(
-                    "cannot listen for workload {name} on {ips}: {error}",
-                    name=workload.name,
-                    ips=", ".join(str(ip) for ip in workload.workload_ips),
-                    error=e,
-                )
+    def _start_listeners(self, workloads) -> defer.Deferred:
+        """Start listeners for each workload; a failure is logged and does not stop the others."""
+        return defer.DeferredList([self._start_listener(w).addErrback(lambda failure: None) for w in workloads])
+
+    def _start_listener(self, workload) -> defer.Deferred:
+        listeners = WorkloadListeners(self, workload, self.network_of(workload))
+        self.listeners[workload.uid] = listeners
+
+        def failed(failure):
+            if self.listeners.get(workload.uid) is listeners:
+                del self.listeners[workload.uid]
+            log.error(
+                "cannot listen for workload {name} ({network}): {error}",
+                name=workload.name,
+                network=listeners.network.name,
+                error=failure.getErrorMessage(),
+            )
+            return failure
+
+        return listeners.start().addErrback(failed)
 
     # -- admin facade -----------------------------------------------------------
 

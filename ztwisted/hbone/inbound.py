@@ -12,7 +12,7 @@ from ztwisted.authz import authorize
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
-from ztwisted.sockets import connect_tcp, original_destination
+from ztwisted.sockets import original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ServerTLS, peer_identity
 
@@ -39,9 +39,10 @@ def parse_authority(authority: str) -> tuple[str, int] | None:
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
-    def __init__(self, node, workload):
+    def __init__(self, node, workload, network):
         self.node = node
         self.workload = workload
+        self.network = network
         self.connections: set[HBONEConnection] = set()
         self._tls = ServerTLS(lambda: node.certificates.get(workload.identity), trust_domain=workload.trust_domain)
 
@@ -112,7 +113,7 @@ class InboundHBONE:
             stream.refuse(401)
             return
         app = TCPEnd()
-        connecting = connect_tcp(self.node.reactor, ip, port, Factory.forProtocol(lambda: app))
+        connecting = self.network.connect(ip, port, Factory.forProtocol(lambda: app), timeout=self.node.connect_timeout)
 
         def connected(_):
             stream.accept()
@@ -145,9 +146,10 @@ class _ConnectionFactory(Factory):
 class InboundPlaintext(Factory):
     """15006: traffic to a local workload from outside the mesh, redirected here by iptables."""
 
-    def __init__(self, node, workload):
+    def __init__(self, node, workload, network):
         self.node = node
         self.workload = workload
+        self.network = network
 
     def buildProtocol(self, addr):
         return _PlaintextInbound(self)
@@ -193,5 +195,7 @@ class _PlaintextInbound(TCPEnd):
             record.refused("CONNECT", failure.getErrorMessage())
             self.abort()
 
-        connect_tcp(node.reactor, ip, port, Factory.forProtocol(lambda: upstream)).addCallbacks(connected, failed)
+        self.inbound.network.connect(ip, port, Factory.forProtocol(lambda: upstream), timeout=node.connect_timeout).addCallbacks(
+            connected, failed
+        )
         super().connectionMade()

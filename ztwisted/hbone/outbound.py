@@ -14,7 +14,7 @@ from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory
 from ztwisted.hbone.tracking import ConnectionRecord, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
-from ztwisted.sockets import connect_tcp, original_destination
+from ztwisted.sockets import original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ClientTLS, peer_identity
 
@@ -47,14 +47,19 @@ class Outbound:
         self.node.metrics.pool_connections_opened.inc()
         track_hbone_connection(self.node.metrics, connection, "outbound")
 
-    def connect(self, app: TCPEnd, source: tuple[str, int], host: str, port: int) -> defer.Deferred:
-        """Open the upstream for ``app`` and splice them; fires when the upstream is open."""
-        return defer.Deferred.fromCoroutine(self._connect(app, source, host, port))
+    def connect(self, app: TCPEnd, source: tuple[str, int], host: str, port: int, source_workload=None) -> defer.Deferred:
+        """Open the upstream for ``app`` and splice them; fires when the upstream is open.
 
-    async def _connect(self, app, source, host, port):
+        The source workload is the local workload whose IP ``app`` comes from,
+        unless the listener already knows it (a pod's own 15001).
+        """
+        return defer.Deferred.fromCoroutine(self._connect(app, source, host, port, source_workload))
+
+    async def _connect(self, app, source, host, port, source_workload):
         node = self.node
         source_ip, source_port = source
-        source_workload = node.local_workload_by_ip(source_ip)
+        if source_workload is None:
+            source_workload = node.local_workload_by_ip(source_ip)
         if source_workload is None:
             log.warn("refusing outbound connection from {source}: no local workload has that address", source=source_ip)
             raise OutboundRefused(Reply.NOT_ALLOWED, f"{source_ip} is not a local workload")
@@ -95,8 +100,7 @@ class Outbound:
                 upstream = await self._open_tunnel(source_workload, source, destination)
             else:
                 upstream = TCPEnd()
-                await connect_tcp(
-                    node.reactor,
+                await node.network_of(source_workload).connect(
                     str(destination.ip),
                     destination.port,
                     Factory.forProtocol(lambda: upstream),
@@ -148,7 +152,9 @@ class Outbound:
         )
         factory = TLSMemoryBIOFactory(creator, True, Factory.forProtocol(lambda: connection))
         ip, port = key.destination
-        connecting = connect_tcp(node.reactor, ip, port, factory, source_ip=key.source_ip, timeout=node.connect_timeout)
+        source = node.local_workload_by_ip(key.source_ip)
+        network = node.network_of(source) if source is not None else node.host_network
+        connecting = network.connect(ip, port, factory, source_ip=key.source_ip, timeout=node.connect_timeout)
         connecting.addCallback(lambda _: connection.ready)
         return connecting
 
@@ -163,8 +169,9 @@ class Outbound:
 
         return Socks5Factory(connect_request, self.node.reactor, on_error=lambda reason: self.node.metrics.socks5_errors.labels(reason=reason).inc())
 
-    def redirect_factory(self) -> Factory:
-        return _RedirectFactory(self)
+    def redirect_factory(self, source=None) -> Factory:
+        """15001: redirected app connections; ``source`` is the pod whose listener it is, if known."""
+        return _RedirectFactory(self, source)
 
 
 def _as_refusal(e: Exception) -> Exception:
@@ -197,19 +204,21 @@ def _baggage(workload) -> str:
 
 
 class _RedirectFactory(Factory):
-    def __init__(self, outbound: Outbound):
+    def __init__(self, outbound: Outbound, source=None):
         self.outbound = outbound
+        self.source = source
 
     def buildProtocol(self, addr):
-        return _RedirectedApp(self.outbound)
+        return _RedirectedApp(self.outbound, self.source)
 
 
 class _RedirectedApp(TCPEnd):
     """15001: an app connection redirected by iptables; its original destination says where to."""
 
-    def __init__(self, outbound: Outbound):
+    def __init__(self, outbound: Outbound, source=None):
         super().__init__()
         self.outbound = outbound
+        self.source = source
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -221,7 +230,7 @@ class _RedirectedApp(TCPEnd):
             log.warn("outbound connection from {peer} was not redirected: no original destination", peer=f"{peer.host}:{peer.port}")
             self.transport.loseConnection()
             return
-        opening = self.outbound.connect(self, (peer.host, peer.port), *destination)
+        opening = self.outbound.connect(self, (peer.host, peer.port), *destination, source_workload=self.source)
         opening.addCallback(lambda _: self.transport.resumeProducing())
         opening.addErrback(self._failed, destination)
 

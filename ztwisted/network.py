@@ -1,0 +1,90 @@
+"""Where a local workload's sockets live: the proxy's own network namespace, or a pod's.
+
+In local-config mode every workload uses :class:`HostNetwork`. In in-pod
+mode each pod added by the node agent gets a :class:`PodNetwork`: its
+listeners are opened inside the pod's network namespace, and the proxy's
+connections on its behalf leave from there too, keeping the pod's source
+address. Every socket may carry a packet mark so the pod's redirect rules
+can exclude the proxy's own traffic.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from twisted.internet import defer
+
+from ztwisted.sockets import connect_tcp, listen_tcp
+
+
+class HostNetwork:
+    """Sockets in the proxy's own network namespace."""
+
+    name = "host"
+
+    def __init__(self, reactor, mark: int | None = None):
+        self.reactor = reactor
+        self.mark = mark
+
+    def listen(self, ip: str, port: int, factory) -> defer.Deferred:
+        return defer.maybeDeferred(listen_tcp, self.reactor, ip, port, factory, mark=self.mark)
+
+    def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
+        if self.mark is None:
+            return connect_tcp(self.reactor, ip, port, factory, source_ip=source_ip, timeout=timeout)
+        return defer.maybeDeferred(_marked_socket, ip, source_ip, self.mark).addCallback(
+            lambda sock: _connect_socket(self.reactor, sock, ip, port, factory, timeout)
+        )
+
+
+class PodNetwork:
+    """Sockets inside a pod's network namespace (created on a short-lived thread, adopted by the reactor)."""
+
+    def __init__(self, reactor, netns, mark: int | None = None):
+        self.reactor = reactor
+        self.netns = netns
+        self.mark = mark
+
+    @property
+    def name(self) -> str:
+        return f"netns {self.netns.name}"
+
+    def listen(self, ip: str, port: int, factory) -> defer.Deferred:
+        from ztwisted.inpod.netns import listening_socket_in
+
+        def adopt(sock: socket.socket):
+            try:
+                return self.reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
+            finally:
+                sock.close()
+
+        return listening_socket_in(self.netns, ip, port, mark=self.mark, reactor=self.reactor).addCallback(adopt)
+
+    def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
+        from ztwisted.inpod.netns import connecting_socket_in
+
+        created = connecting_socket_in(self.netns, ip, source_ip=source_ip, mark=self.mark, reactor=self.reactor)
+        return created.addCallback(lambda sock: _connect_socket(self.reactor, sock, ip, port, factory, timeout))
+
+    def close(self) -> None:
+        self.netns.close()
+
+
+def _marked_socket(ip: str, source_ip: str | None, mark: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        if source_ip is not None:
+            sock.bind((source_ip, 0))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _connect_socket(reactor, sock, ip, port, factory, timeout):
+    from ztwisted.inpod.netns import connect_socket
+
+    return connect_socket(reactor, sock, (ip, port), factory, timeout=timeout)

@@ -1,0 +1,647 @@
+"""Read ztunnel's local configuration YAML (`LOCAL_XDS_PATH`) into a `Mesh`.
+
+The format follows ztunnel's `LocalConfig`: top-level `workloads`, `services`,
+`policies`; camelCase keys; unknown keys are errors. Every problem in a file is
+reported, one per line, each as `<file>: <path.to.field>: <message>` (YAML
+syntax errors put `line L, column C` in the path's place). Checks across
+entries (duplicate uids or IPs, references to services and policies) run
+once every entry is valid by itself.
+
+Where ztwisted is stricter or kinder than ztunnel:
+  - `uid` may be omitted: it defaults to `<clusterId>//v1/Pod/<namespace>/<name>`;
+  - `name` and a non-empty `workloadIps` are required;
+  - an IP may appear once in the whole file (workload IP or service VIP);
+  - a workload's `services` keys and `authorizationPolicies` must name
+    services and policies defined in the file;
+  - ztunnel features ztwisted does not implement (waypoints, network
+    gateways, ...) are rejected by name instead of being ignored;
+  - policy string matches may be written as Istio patterns ("abc*", "*abc",
+    "*"), as ztunnel's `{Exact: ...}`/`{Prefix: ...}`/... maps, or with the
+    `!Exact`/`!Prefix`/`!Suffix`/`!Presence` tags; principals may carry the
+    `spiffe://` prefix or not.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+import attrs
+import yaml
+from twisted.internet import inotify
+from twisted.python.filepath import FilePath
+
+from ztwisted.identity import InvalidSpiffeId, SpiffeId
+from ztwisted.model import (
+    Match,
+    Mesh,
+    Policy,
+    Service,
+    ServiceAccountMatch,
+    StringMatch,
+    Workload,
+    normalize_principal,
+)
+
+__all__ = [
+    "ConfigError",
+    "ConfigWatcher",
+    "Problem",
+    "builtin_example_path",
+    "load_config",
+    "parse_config",
+]
+
+
+@attrs.frozen
+class Problem:
+    path: str
+    message: str
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; str() lists every problem."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = tuple(problems)
+        super().__init__("\n".join(f"{source}: {p.path}: {p.message}" for p in self.problems))
+
+
+def builtin_example_path() -> str:
+    """Path of the example mesh shipped with ztwisted (used without --config)."""
+    return str(resources.files("ztwisted") / "examples" / "mesh.yaml")
+
+
+def load_config(path: str | os.PathLike[str]) -> Mesh:
+    """Read and check the file at `path`; raises ConfigError (named as given)."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(source, [Problem("(file)", f"cannot read: {e.strerror or e}")]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(source, [Problem("(file)", f"not UTF-8 text: {e.reason} at byte {e.start}")]) from None
+    return parse_config(text, source)
+
+
+def parse_config(text: str, source: str = "<string>") -> Mesh:
+    """Check YAML text and build the Mesh; raises ConfigError."""
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(source, [_yaml_problem(e)]) from None
+    reader = _Reader()
+    mesh = reader.mesh(data)
+    if reader.problems:
+        raise ConfigError(source, reader.problems)
+    assert mesh is not None
+    return mesh
+
+
+# --- YAML -------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Tagged:
+    """A `!Exact`-style tagged scalar, as serde_yaml writes enum variants."""
+
+    tag: str
+    value: Any
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                continue  # unhashable; the base class reports it
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _tagged(tag: str) -> Callable[[yaml.SafeLoader, yaml.Node], _Tagged]:
+    def construct(loader: yaml.SafeLoader, node: yaml.Node) -> _Tagged:
+        if isinstance(node, yaml.ScalarNode):
+            return _Tagged(tag, loader.construct_scalar(node))
+        return _Tagged(tag, None)
+    return construct
+
+
+for _tag in ("Exact", "Prefix", "Suffix", "Presence"):
+    _Loader.add_constructor(f"!{_tag}", _tagged(_tag))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> Problem:
+    mark = getattr(e, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(file)"
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    return Problem(where, f"invalid YAML: {problem}" + (f" ({context})" if context else ""))
+
+
+# --- checking ---------------------------------------------------------------
+
+
+class _Bad(Exception):
+    """A value is wrong; the message says why (the caller knows where)."""
+
+
+_INVALID = object()  # stands for a value whose problem is already recorded
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    if isinstance(value, float):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return f"a string ({value!r})"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, _Tagged):
+        return f"a !{value.tag} tag"
+    return type(value).__name__
+
+
+def _key_path(path: str, key: Any) -> str:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return f"{path}[{key}]"
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
+
+
+def _map_key_path(path: str, key: Any) -> str:
+    """Map keys are data, not field names: always in brackets."""
+    if isinstance(key, str):
+        return f'{path}["{key}"]'
+    return f"{path}[{key!r}]"
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Bad(f"expected a string, got {_describe(value)}")
+    return value
+
+
+def _nonempty_string(value: Any) -> str:
+    if _string(value) == "":
+        raise _Bad("must not be empty")
+    return value
+
+
+def _identity_part(which: str) -> Callable[[Any], str]:
+    """A trust domain, namespace or service account usable in a SPIFFE ID."""
+    def check(value: Any) -> str:
+        parts = {"trust domain": "cluster.local", "namespace": "default", "service account": "default"}
+        parts[which] = _string(value)
+        try:
+            SpiffeId(*parts.values())
+        except InvalidSpiffeId as e:
+            raise _Bad(str(e)) from None
+        return value
+    return check
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad(f"expected true or false, got {_describe(value)}")
+    return value
+
+
+def _port(value: Any) -> int:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Bad(f"expected a port number, got {_describe(value)}")
+    if not 1 <= value <= 65535:
+        raise _Bad(f"{value} is not a port number (1-65535)")
+    return value
+
+
+def _ip_address(value: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    if not isinstance(value, str):
+        raise _Bad(f"expected an IP address, got {_describe(value)}")
+    try:
+        return ipaddress.ip_address(value)
+    except ValueError:
+        raise _Bad(f"{value!r} is not an IP address") from None
+
+
+def _cidr(value: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    if not isinstance(value, str):
+        raise _Bad(f"expected an IP address or CIDR range, got {_describe(value)}")
+    try:
+        return ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise _Bad(f"{value!r} is not an IP address or CIDR range") from None
+
+
+def _vip(value: Any) -> tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """"network/ip" (network may be empty: "/10.0.0.1"), or a bare IP."""
+    if not isinstance(value, str):
+        raise _Bad(f"expected \"network/ip\", got {_describe(value)}")
+    network, _slash, ip = value.rpartition("/")
+    try:
+        return network, ipaddress.ip_address(ip)
+    except ValueError:
+        raise _Bad(f"{value!r} is not \"network/ip\" (e.g. \"/10.0.0.1\")") from None
+
+
+def _enum(*choices: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices or not isinstance(value, str):
+            shown = repr(value) if isinstance(value, str) else _describe(value)
+            raise _Bad(f"{shown} is not one of {', '.join(choices)}")
+        return value
+    return check
+
+
+def _namespaced_hostname(value: Any) -> str:
+    namespace, slash, hostname = _string(value).partition("/")
+    if not slash or not namespace or not hostname or "/" in hostname:
+        raise _Bad(f"{value!r} is not \"namespace/hostname\"")
+    return value
+
+
+def _policy_key(value: Any) -> str:
+    namespace, slash, name = _string(value).partition("/")
+    if not slash or not namespace or not name or "/" in name:
+        raise _Bad(f"{value!r} is not \"namespace/name\"")
+    return value
+
+
+def _string_match(value: Any) -> StringMatch:
+    kinds = {"Exact": "exact", "Prefix": "prefix", "Suffix": "suffix", "Presence": "presence"}
+    if isinstance(value, str):
+        return StringMatch.parse(value)
+    if isinstance(value, _Tagged):
+        tag, arg = value.tag, value.value
+    elif isinstance(value, dict) and len(value) == 1:
+        tag, arg = next(iter(value.items()))
+        if tag not in kinds:
+            raise _Bad(f"{tag!r} is not one of {', '.join(kinds)}")
+    else:
+        raise _Bad(f"expected a string or one of {{Exact|Prefix|Suffix|Presence: ...}}, got {_describe(value)}")
+    if tag == "Presence":
+        return StringMatch("presence")
+    if not isinstance(arg, str):
+        raise _Bad(f"{tag} needs a string, got {_describe(arg)}")
+    return StringMatch(kinds[tag], arg)
+
+
+def _principal(value: Any) -> StringMatch:
+    return normalize_principal(_string_match(value))
+
+
+def _service_account(value: Any) -> ServiceAccountMatch:
+    """{namespace: ns, serviceAccount: sa} (ztunnel), or "ns/sa" (Istio)."""
+    if isinstance(value, str):
+        namespace, slash, account = value.partition("/")
+        if not slash or not namespace or not account:
+            raise _Bad(f"{value!r} is not \"namespace/serviceAccount\"")
+        return ServiceAccountMatch(namespace, account)
+    if isinstance(value, dict):
+        unknown = sorted(str(k) for k in value if k not in ("namespace", "serviceAccount"))
+        if unknown:
+            raise _Bad(f"unknown key {unknown[0]!r}; expected namespace and serviceAccount")
+        try:
+            return ServiceAccountMatch(_string(value["namespace"]), _string(value["serviceAccount"]))
+        except KeyError as e:
+            raise _Bad(f"missing {e.args[0]!r}; expected namespace and serviceAccount") from None
+    raise _Bad(f"expected {{namespace: ..., serviceAccount: ...}} or \"ns/sa\", got {_describe(value)}")
+
+
+@attrs.frozen
+class _Field:
+    attr: str
+    read: Callable[[_Reader, Any, str], Any]
+    required: bool = False
+
+
+class _Reader:
+    """Walks the YAML data, collecting Problems instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+        self._derived_uids: set[int] = set()  # id() of workloads whose uid was not given
+
+    def problem(self, path: str, message: str) -> object:
+        self.problems.append(Problem(path, message))
+        return _INVALID
+
+    # generic shapes: each returns a reader(reader, value, path) -> value or _INVALID
+
+    @staticmethod
+    def scalar(check: Callable[[Any], Any]) -> Callable[[_Reader, Any, str], Any]:
+        def read(reader: _Reader, value: Any, path: str) -> Any:
+            try:
+                return check(value)
+            except _Bad as e:
+                return reader.problem(path, str(e))
+        return read
+
+    @staticmethod
+    def list_of(item: Callable[[_Reader, Any, str], Any], *, nonempty: bool = False,
+                null_is_empty: bool = False) -> Callable[[_Reader, Any, str], Any]:
+        def read(reader: _Reader, value: Any, path: str) -> Any:
+            if value is None and null_is_empty:
+                return ()
+            if not isinstance(value, list):
+                return reader.problem(path, f"expected a list, got {_describe(value)}")
+            if nonempty and not value:
+                return reader.problem(path, "must list at least one entry")
+            items = [item(reader, v, f"{path}[{i}]") for i, v in enumerate(value)]
+            return _INVALID if any(v is _INVALID for v in items) else tuple(items)
+        return read
+
+    @staticmethod
+    def map_of(key: Callable[[Any], Any], item: Callable[[_Reader, Any, str], Any]
+               ) -> Callable[[_Reader, Any, str], Any]:
+        def read(reader: _Reader, value: Any, path: str) -> Any:
+            if not isinstance(value, dict):
+                return reader.problem(path, f"expected a mapping, got {_describe(value)}")
+            out = {}
+            for k, v in value.items():
+                where = _map_key_path(path, k)
+                try:
+                    checked = key(k)
+                except _Bad as e:
+                    out[k] = reader.problem(where, str(e))
+                    continue
+                out[checked] = item(reader, v, where)
+            return _INVALID if any(v is _INVALID for v in out.values()) else out
+        return read
+
+    def record(self, value: Any, path: str, fields: dict[str, _Field],
+               unsupported: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+        """Check a mapping against `fields`: attrs values by name, or None if bad.
+
+        Optional fields that are absent are left out (the model's default applies).
+        """
+        if not isinstance(value, dict):
+            self.problem(path or "(top level)", f"expected a mapping, got {_describe(value)}")
+            return None
+        before = len(self.problems)
+        for key in value:
+            if key in fields:
+                continue
+            if key in unsupported:
+                self.problem(_key_path(path, key), "not supported by ztwisted")
+            else:
+                close = difflib.get_close_matches(str(key), list(fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                self.problem(_key_path(path, key), f"unknown key{hint}")
+        out: dict[str, Any] = {}
+        for key, field in fields.items():
+            where = _key_path(path, key)
+            if key in value:
+                out[field.attr] = field.read(self, value[key], where)
+            elif field.required:
+                self.problem(where, "required field is missing")
+        return out if len(self.problems) == before else None
+
+    # the format
+
+    def mesh(self, data: Any) -> Mesh | None:
+        if data is None:
+            return Mesh()
+        if isinstance(data, list):
+            self.problem("(top level)", "expected a mapping with workloads, services and policies, "
+                                        "got a list (the old ztunnel format that listed workloads only)")
+            return None
+        top = self.record(data, "", {
+            "workloads": _Field("workloads", self.list_of(_Reader.workload, null_is_empty=True)),
+            "services": _Field("services", self.list_of(_Reader.service, null_is_empty=True)),
+            "policies": _Field("policies", self.list_of(_Reader.policy, null_is_empty=True)),
+        })
+        if top is None:
+            return None
+        workloads, services, policies = (top.get(k, ()) for k in ("workloads", "services", "policies"))
+        if not self._cross_check(workloads, services, policies):
+            return None
+        return Mesh(workloads, services, policies)
+
+    def workload(self, value: Any, path: str) -> Workload | object:
+        s = self.scalar
+        fields = self.record(value, path, {
+            "uid": _Field("uid", s(_nonempty_string)),
+            "name": _Field("name", s(_nonempty_string), required=True),
+            "namespace": _Field("namespace", s(_identity_part("namespace")), required=True),
+            "serviceAccount": _Field("service_account", s(_identity_part("service account"))),
+            "workloadIps": _Field("workload_ips", self.list_of(s(_ip_address), nonempty=True), required=True),
+            "protocol": _Field("protocol", s(_enum("HBONE", "TCP"))),
+            "node": _Field("node", s(_string)),
+            "network": _Field("network", s(_string)),
+            "services": _Field("services", self.map_of(_namespaced_hostname, self.map_of(_port, s(_port)))),
+            "trustDomain": _Field("trust_domain", s(_identity_part("trust domain"))),
+            "canonicalName": _Field("canonical_name", s(_string)),
+            "canonicalRevision": _Field("canonical_revision", s(_string)),
+            "status": _Field("status", s(_enum("Healthy", "Unhealthy"))),
+            "clusterId": _Field("cluster_id", s(_string)),
+            "workloadName": _Field("workload_name", s(_string)),
+            "workloadType": _Field("workload_type", s(_string)),
+            "hostname": _Field("hostname", s(_string)),
+            "nativeTunnel": _Field("native_tunnel", s(_bool)),
+            "authorizationPolicies": _Field("authorization_policies", self.list_of(s(_policy_key))),
+        }, unsupported=frozenset({
+            "waypoint", "networkGateway", "applicationTunnel", "networkMode", "locality", "capacity",
+        }))
+        if fields is None:
+            return _INVALID
+        if not fields.get("trust_domain"):
+            fields.pop("trust_domain", None)  # empty means cluster.local
+        if not fields.get("cluster_id"):
+            fields.pop("cluster_id", None)
+        if "uid" not in fields:
+            cluster = fields.get("cluster_id", "Kubernetes")
+            fields["uid"] = f"{cluster}//v1/Pod/{fields['namespace']}/{fields['name']}"
+            workload = Workload(**fields)
+            self._derived_uids.add(id(workload))
+            return workload
+        return Workload(**fields)
+
+    def service(self, value: Any, path: str) -> Service | object:
+        s = self.scalar
+        fields = self.record(value, path, {
+            "name": _Field("name", s(_nonempty_string), required=True),
+            "namespace": _Field("namespace", s(_nonempty_string), required=True),
+            "hostname": _Field("hostname", s(_nonempty_string), required=True),
+            "vips": _Field("vips", self.list_of(s(_vip))),
+            "ports": _Field("ports", self.map_of(_port, s(_port)), required=True),
+            "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
+        }, unsupported=frozenset({"endpoints", "waypoint", "loadBalancer", "ipFamilies", "canonical"}))
+        return _INVALID if fields is None else Service(**fields)
+
+    def policy(self, value: Any, path: str) -> Policy | object:
+        s = self.scalar
+        match = _Reader.match
+        fields = self.record(value, path, {
+            "name": _Field("name", s(_nonempty_string), required=True),
+            "namespace": _Field("namespace", s(_nonempty_string), required=True),
+            "scope": _Field("scope", s(_enum("Global", "Namespace", "WorkloadSelector")), required=True),
+            "action": _Field("action", s(_enum("Allow", "Deny")), required=True),
+            "rules": _Field("rules", self.list_of(self.list_of(self.list_of(match))), required=True),
+            "dryRun": _Field("dry_run", s(_bool)),
+        })
+        return _INVALID if fields is None else Policy(**fields)
+
+    def match(self, value: Any, path: str) -> Match | object:
+        s = self.scalar
+        fields: dict[str, _Field] = {}
+        for key, attr, item in (
+            ("namespaces", "namespaces", _string_match),
+            ("serviceAccounts", "service_accounts", _service_account),
+            ("principals", "principals", _principal),
+            ("sourceIps", "source_ips", _cidr),
+            ("destinationIps", "destination_ips", _cidr),
+            ("destinationPorts", "destination_ports", _port),
+        ):
+            fields[key] = _Field(attr, self.list_of(s(item)))
+            fields["not" + key[0].upper() + key[1:]] = _Field("not_" + attr, self.list_of(s(item)))
+        checked = self.record(value, path, fields)
+        return _INVALID if checked is None else Match(**checked)
+
+    # checks across entries (they run once every entry is valid by itself)
+
+    def _cross_check(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
+                     policies: tuple[Policy, ...]) -> bool:
+        before = len(self.problems)
+        uids: dict[str, int] = {}
+        ips: dict[Any, str] = {}
+        for i, w in enumerate(workloads):
+            if w.uid in uids:
+                derived = " (uid not set: made from clusterId, namespace and name)" if id(w) in self._derived_uids else ""
+                self.problem(f"workloads[{i}].uid",
+                             f"duplicate uid {w.uid!r}{derived}; also used by workloads[{uids[w.uid]}]")
+            uids.setdefault(w.uid, i)
+            for j, ip in enumerate(w.workload_ips):
+                if ip in ips:
+                    self.problem(f"workloads[{i}].workloadIps[{j}]", f"{ip} is already used by {ips[ip]}")
+                ips.setdefault(ip, f"workloads[{i}] (uid {w.uid!r})")
+        service_keys: dict[str, int] = {}
+        for i, svc in enumerate(services):
+            if svc.key in service_keys:
+                self.problem(f"services[{i}]", f"duplicate service {svc.key!r} (also services[{service_keys[svc.key]}])")
+            service_keys.setdefault(svc.key, i)
+            for j, (_network, ip) in enumerate(svc.vips):
+                if ip in ips:
+                    self.problem(f"services[{i}].vips[{j}]", f"{ip} is already used by {ips[ip]}")
+                ips.setdefault(ip, f"services[{i}] ({svc.key!r})")
+        policy_keys: dict[str, int] = {}
+        for i, p in enumerate(policies):
+            if p.key in policy_keys:
+                self.problem(f"policies[{i}]", f"duplicate policy {p.key!r} (also policies[{policy_keys[p.key]}])")
+            policy_keys.setdefault(p.key, i)
+        for i, w in enumerate(workloads):
+            for key in w.services:
+                if key not in service_keys:
+                    namespace, _, hostname = key.partition("/")
+                    self.problem(_map_key_path(f"workloads[{i}].services", key),
+                                 f"no service with namespace {namespace!r} and hostname {hostname!r} in services")
+            for j, key in enumerate(w.authorization_policies):
+                if key not in policy_keys:
+                    self.problem(f"workloads[{i}].authorizationPolicies[{j}]", f"no policy {key!r} in policies")
+        return len(self.problems) == before
+
+
+# --- reloading --------------------------------------------------------------
+
+
+class ConfigWatcher:
+    """Reload a config file when it changes on disk.
+
+    Watches the file's directory (editors replace files by rename, which a
+    watch on the file itself would miss), waits `delay` seconds for a burst of
+    events to settle, then parses. A good file that differs from the last good
+    one goes to `on_change(mesh)`; a bad one goes to `on_error(ConfigError)`
+    and `current` keeps the last good mesh.
+    """
+
+    # IN_MODIFY only postpones the reload while a writer is still writing.
+    _MASK = inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO | inotify.IN_CREATE | inotify.IN_MODIFY
+    # A Kubernetes ConfigMap volume updates `name -> ..data/name` by renaming
+    # the `..data` symlink: that rename is the only event such an update makes.
+    _CONFIGMAP_LINK = b"..data"
+
+    def __init__(self, path: str | os.PathLike[str], on_change: Callable[[Mesh], Any],
+                 on_error: Callable[[ConfigError], Any], reactor: Any = None, *,
+                 current: Mesh | None = None, delay: float = 0.1) -> None:
+        if reactor is None:
+            from twisted.internet import reactor
+        self.path = os.fspath(path)
+        self.on_change = on_change
+        self.on_error = on_error
+        self.current = current
+        self.delay = delay
+        self._reactor = reactor
+        self._file = FilePath(os.path.abspath(self.path))
+        self._name = os.fsencode(self._file.basename())
+        self._notifier: inotify.INotify | None = None
+        self._pending: Any = None
+
+    def start(self) -> None:
+        if self._notifier is not None:
+            return
+        notifier = inotify.INotify(reactor=self._reactor)
+        notifier.startReading()
+        try:
+            notifier.watch(self._file.parent(), mask=self._MASK, callbacks=[self._notified])
+        except Exception:
+            notifier.loseConnection()
+            raise
+        self._notifier = notifier
+
+    def stop(self) -> None:
+        if self._pending is not None and self._pending.active():
+            self._pending.cancel()
+        self._pending = None
+        if self._notifier is not None:
+            self._notifier.loseConnection()
+            self._notifier = None
+
+    def reload(self) -> None:
+        """Parse the file now and report the outcome (also used by the timer)."""
+        if self._pending is not None and self._pending.active():
+            self._pending.cancel()
+        self._pending = None
+        try:
+            mesh = load_config(self.path)
+        except ConfigError as e:
+            self.on_error(e)
+            return
+        if mesh == self.current:
+            return
+        self.current = mesh
+        self.on_change(mesh)
+
+    def _notified(self, _ignored: Any, filepath: FilePath, mask: int) -> None:
+        if filepath.asBytesMode().basename() not in (self._name, self._CONFIGMAP_LINK):
+            return
+        if self._pending is not None and self._pending.active():
+            self._pending.reset(self.delay)
+        else:
+            self._pending = self._reactor.callLater(self.delay, self.reload)

@@ -1,0 +1,446 @@
+"""The mesh as ztwisted sees it: workloads, services, policies and lookups.
+
+Plain immutable data. `ztwisted.config` builds it from YAML (and reports
+problems with file positions); this module only offers construction helpers
+and the lookups the proxy needs. Addresses form one flat space: an IP is either
+one workload's address or one service's VIP, never both, whatever the network.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+
+from ztwisted.identity import DEFAULT_TRUST_DOMAIN, SpiffeId
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class FrozenMap(Mapping[K, V]):
+    """A read-only, hashable mapping (so frozen model objects stay hashable)."""
+
+    __slots__ = ("_data", "_hash")
+
+    def __init__(self, data: Mapping[K, V] | Iterable[tuple[K, V]] = ()) -> None:
+        self._data: dict[K, V] = dict(data)
+        self._hash: int | None = None
+
+    def __getitem__(self, key: K) -> V:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._data.items()))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self._data == dict(other.items())
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+
+def _ip(value: Any) -> IPAddress:
+    return value if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else ipaddress.ip_address(value)
+
+
+def _ips(values: Iterable[Any]) -> tuple[IPAddress, ...]:
+    return tuple(_ip(v) for v in values)
+
+
+def _nets(values: Iterable[Any]) -> tuple[IPNetwork, ...]:
+    return tuple(ipaddress.ip_network(v, strict=False) for v in values)
+
+
+def _port_map(value: Mapping[int, int]) -> FrozenMap[int, int]:
+    return value if isinstance(value, FrozenMap) else FrozenMap(value)
+
+
+def _service_port_maps(value: Mapping[str, Mapping[int, int]]) -> FrozenMap[str, FrozenMap[int, int]]:
+    return FrozenMap((key, _port_map(ports)) for key, ports in value.items())
+
+
+def _vips(values: Iterable[Any]) -> tuple[tuple[str, IPAddress], ...]:
+    """Accept (network, ip) pairs or bare IPs (network "")."""
+    out = []
+    for v in values:
+        if isinstance(v, tuple):
+            out.append((v[0], _ip(v[1])))
+        else:
+            out.append(("", _ip(v)))
+    return tuple(out)
+
+
+def _tuple(values: Iterable[Any]) -> tuple:
+    return tuple(values)
+
+
+@attrs.frozen
+class Workload:
+    """One workload (a pod, in Kubernetes terms)."""
+
+    uid: str
+    name: str
+    namespace: str
+    service_account: str = "default"
+    workload_ips: tuple[IPAddress, ...] = attrs.field(default=(), converter=_ips)
+    protocol: str = "TCP"  # "HBONE" or "TCP"
+    node: str = ""
+    network: str = ""
+    # "namespace/hostname" -> {service port: target port}
+    services: FrozenMap[str, FrozenMap[int, int]] = attrs.field(
+        factory=FrozenMap, converter=_service_port_maps
+    )
+    trust_domain: str = DEFAULT_TRUST_DOMAIN
+    canonical_name: str = ""
+    canonical_revision: str = ""
+    status: str = "Healthy"  # "Healthy" or "Unhealthy"
+    cluster_id: str = "Kubernetes"
+    workload_name: str = ""
+    workload_type: str = ""
+    hostname: str = ""
+    native_tunnel: bool = False
+    # "namespace/name" keys of WorkloadSelector policies that select this workload
+    authorization_policies: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+
+    @property
+    def identity(self) -> SpiffeId:
+        return SpiffeId(self.trust_domain or DEFAULT_TRUST_DOMAIN, self.namespace, self.service_account)
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == "Healthy"
+
+    def ip_for(self, family_of: IPAddress | None = None) -> IPAddress | None:
+        """The workload IP to dial: same family as `family_of` if possible."""
+        if family_of is not None:
+            for ip in self.workload_ips:
+                if ip.version == family_of.version:
+                    return ip
+        return self.workload_ips[0] if self.workload_ips else None
+
+
+@attrs.frozen
+class Service:
+    """A service: VIPs in front of the workloads that list it in `services`."""
+
+    name: str
+    namespace: str
+    hostname: str
+    vips: tuple[tuple[str, IPAddress], ...] = attrs.field(default=(), converter=_vips)
+    ports: FrozenMap[int, int] = attrs.field(factory=FrozenMap, converter=_port_map)
+    subject_alt_names: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+
+    @property
+    def key(self) -> str:
+        """The "namespace/hostname" key workloads use to join this service."""
+        return f"{self.namespace}/{self.hostname}"
+
+
+@attrs.frozen
+class StringMatch:
+    """One string matcher of a policy: exact, prefix, suffix or presence."""
+
+    kind: str  # "exact" | "prefix" | "suffix" | "presence"
+    value: str = ""
+
+    @classmethod
+    def parse(cls, pattern: str) -> StringMatch:
+        """Istio's wildcard syntax: "*" (any non-empty), "abc*", "*abc", or exact."""
+        if pattern == "*":
+            return cls("presence")
+        if pattern.endswith("*"):
+            return cls("prefix", pattern[:-1])
+        if pattern.startswith("*"):
+            return cls("suffix", pattern[1:])
+        return cls("exact", pattern)
+
+    def matches(self, text: str) -> bool:
+        if self.kind == "exact":
+            return text == self.value
+        if self.kind == "prefix":
+            return text.startswith(self.value)
+        if self.kind == "suffix":
+            return text.endswith(self.value)
+        return text != ""
+
+    def __str__(self) -> str:
+        return {"exact": "{}", "prefix": "{}*", "suffix": "*{}", "presence": "*"}[self.kind].format(self.value)
+
+
+@attrs.frozen
+class ServiceAccountMatch:
+    namespace: str
+    service_account: str
+
+
+def _string_matches(values: Iterable[Any]) -> tuple[StringMatch, ...]:
+    return tuple(v if isinstance(v, StringMatch) else StringMatch.parse(v) for v in values)
+
+
+def _principal_matches(values: Iterable[Any]) -> tuple[StringMatch, ...]:
+    return tuple(normalize_principal(v) for v in _string_matches(values))
+
+
+def normalize_principal(match: StringMatch) -> StringMatch:
+    """Principals are compared without "spiffe://" (as istiod sends them)."""
+    if match.value.startswith("spiffe://"):
+        return attrs.evolve(match, value=match.value.removeprefix("spiffe://"))
+    return match
+
+
+def _service_accounts(values: Iterable[Any]) -> tuple[ServiceAccountMatch, ...]:
+    out = []
+    for v in values:
+        if isinstance(v, str):
+            ns, _, sa = v.partition("/")
+            v = ServiceAccountMatch(ns, sa)
+        out.append(v)
+    return tuple(out)
+
+
+def _ports(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class Match:
+    """All fields present must match (AND); within a field any value (OR).
+
+    Each `not_` twin must match none of its values. Plain strings are accepted
+    for convenience and read with Istio's wildcard syntax.
+    """
+
+    namespaces: tuple[StringMatch, ...] = attrs.field(default=(), converter=_string_matches)
+    not_namespaces: tuple[StringMatch, ...] = attrs.field(default=(), converter=_string_matches)
+    service_accounts: tuple[ServiceAccountMatch, ...] = attrs.field(default=(), converter=_service_accounts)
+    not_service_accounts: tuple[ServiceAccountMatch, ...] = attrs.field(default=(), converter=_service_accounts)
+    principals: tuple[StringMatch, ...] = attrs.field(default=(), converter=_principal_matches)
+    not_principals: tuple[StringMatch, ...] = attrs.field(default=(), converter=_principal_matches)
+    source_ips: tuple[IPNetwork, ...] = attrs.field(default=(), converter=_nets)
+    not_source_ips: tuple[IPNetwork, ...] = attrs.field(default=(), converter=_nets)
+    destination_ips: tuple[IPNetwork, ...] = attrs.field(default=(), converter=_nets)
+    not_destination_ips: tuple[IPNetwork, ...] = attrs.field(default=(), converter=_nets)
+    destination_ports: tuple[int, ...] = attrs.field(default=(), converter=_ports)
+    not_destination_ports: tuple[int, ...] = attrs.field(default=(), converter=_ports)
+
+    def is_empty(self) -> bool:
+        return not any(attrs.astuple(self, recurse=False))
+
+
+# rules: OR of clauses; clause: AND of match groups; match group: OR of Match.
+MatchGroup = tuple[Match, ...]
+Clause = tuple[MatchGroup, ...]
+Rules = tuple[Clause, ...]
+
+
+def _rules(value: Iterable[Iterable[Iterable[Match]]]) -> Rules:
+    return tuple(tuple(tuple(group) for group in clause) for clause in value)
+
+
+@attrs.frozen
+class Policy:
+    """An authorization policy (ztunnel's `Authorization`)."""
+
+    name: str
+    namespace: str
+    scope: str  # "Global" | "Namespace" | "WorkloadSelector"
+    action: str  # "Allow" | "Deny"
+    rules: Rules = attrs.field(default=(), converter=_rules)
+    dry_run: bool = False
+
+    @property
+    def key(self) -> str:
+        """"namespace/name", the key workloads' `authorizationPolicies` use."""
+        return f"{self.namespace}/{self.name}"
+
+
+@attrs.frozen
+class Destination:
+    """Where an outbound connection to (ip, port) should go.
+
+    kind:
+      "service"     ip was a service VIP; `workload` is the chosen endpoint and
+                    (ip, port) its address and target port
+      "workload"    ip was a workload's own address
+      "passthrough" ip is not in the mesh; (ip, port) is the original address
+      "unroutable"  ip was a VIP but nothing can serve it; see `reason`
+    """
+
+    kind: str
+    ip: IPAddress
+    port: int
+    workload: Workload | None = None
+    service: Service | None = None
+    reason: str = ""
+
+
+@attrs.frozen
+class MeshDiff:
+    """What a reload changed, workloads compared by uid."""
+
+    removed: tuple[Workload, ...]
+    added: tuple[Workload, ...]
+    changed: tuple[tuple[Workload, Workload], ...]  # (old, new)
+    services_changed: bool
+    policies_changed: bool
+
+    def __bool__(self) -> bool:
+        return bool(self.removed or self.added or self.changed or self.services_changed or self.policies_changed)
+
+
+@attrs.frozen
+class Mesh:
+    """Everything the local configuration describes, with lookups.
+
+    Construction checks uniqueness (uids, IPs, service keys, policy keys) and
+    raises ValueError; `ztwisted.config` checks first, with file positions.
+    """
+
+    workloads: tuple[Workload, ...] = attrs.field(default=(), converter=_tuple)
+    services: tuple[Service, ...] = attrs.field(default=(), converter=_tuple)
+    policies: tuple[Policy, ...] = attrs.field(default=(), converter=_tuple)
+    _by_uid: dict[str, Workload] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _by_ip: dict[IPAddress, Workload] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _by_vip: dict[IPAddress, Service] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _by_key: dict[str, Service] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _policies_by_key: dict[str, Policy] = attrs.field(init=False, eq=False, repr=False, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        by_uid: dict[str, Workload] = {}
+        by_ip: dict[IPAddress, Workload] = {}
+        for w in self.workloads:
+            if w.uid in by_uid:
+                raise ValueError(f"duplicate workload uid {w.uid!r}")
+            by_uid[w.uid] = w
+            for ip in w.workload_ips:
+                if ip in by_ip:
+                    raise ValueError(f"IP {ip} is used by workloads {by_ip[ip].uid!r} and {w.uid!r}")
+                by_ip[ip] = w
+        by_vip: dict[IPAddress, Service] = {}
+        by_key: dict[str, Service] = {}
+        for s in self.services:
+            if s.key in by_key:
+                raise ValueError(f"duplicate service {s.key!r}")
+            by_key[s.key] = s
+            for _network, ip in s.vips:
+                if ip in by_vip or ip in by_ip:
+                    raise ValueError(f"VIP {ip} of service {s.key!r} is already in use")
+                by_vip[ip] = s
+        policies: dict[str, Policy] = {}
+        for p in self.policies:
+            if p.key in policies:
+                raise ValueError(f"duplicate policy {p.key!r}")
+            policies[p.key] = p
+        object.__setattr__(self, "_by_uid", by_uid)
+        object.__setattr__(self, "_by_ip", by_ip)
+        object.__setattr__(self, "_by_vip", by_vip)
+        object.__setattr__(self, "_by_key", by_key)
+        object.__setattr__(self, "_policies_by_key", policies)
+
+    def workload_by_ip(self, ip: IPAddress | str) -> Workload | None:
+        return self._by_ip.get(_ip(ip))
+
+    def workload_by_uid(self, uid: str) -> Workload | None:
+        return self._by_uid.get(uid)
+
+    def service_by_vip(self, ip: IPAddress | str) -> Service | None:
+        return self._by_vip.get(_ip(ip))
+
+    def service_by_hostname(self, hostname: str, namespace: str | None = None) -> Service | None:
+        """The service with that hostname (in `namespace`, if given)."""
+        if namespace is not None:
+            return self._by_key.get(f"{namespace}/{hostname}")
+        for s in self.services:
+            if s.hostname == hostname:
+                return s
+        return None
+
+    def policy(self, key: str) -> Policy | None:
+        """The policy with key "namespace/name"."""
+        return self._policies_by_key.get(key)
+
+    def local_workloads(self, node: str | None) -> tuple[Workload, ...]:
+        """Workloads this node serves. No node given (None or "") means all."""
+        if not node:
+            return self.workloads
+        return tuple(w for w in self.workloads if w.node == node)
+
+    def endpoints(self, service: Service, service_port: int | None = None) -> list[tuple[Workload, int]]:
+        """Healthy workloads behind `service`, each with its target port.
+
+        `service_port` defaults to the service's first declared port. The
+        target port comes from the workload's own port map for the service,
+        else from the service's. A port the service does not declare has no
+        endpoints.
+        """
+        if service_port is None:
+            if not service.ports:
+                return []
+            service_port = next(iter(service.ports))
+        if service_port not in service.ports:
+            return []
+        out = []
+        for w in self.workloads:
+            ports = w.services.get(service.key)
+            if ports is None or not w.healthy or not w.workload_ips:
+                continue
+            out.append((w, ports.get(service_port, service.ports[service_port])))
+        return out
+
+    def resolve(
+        self,
+        ip: IPAddress | str,
+        port: int,
+        choice: Callable[[Sequence[tuple[Workload, int]]], tuple[Workload, int]] = random.choice,
+    ) -> Destination:
+        """Where a connection to ip:port goes: a service endpoint, a workload, or out."""
+        ip = _ip(ip)
+        service = self._by_vip.get(ip)
+        if service is not None:
+            if port not in service.ports:
+                return Destination("unroutable", ip, port, service=service,
+                                   reason=f"service {service.hostname} has no port {port}")
+            endpoints = self.endpoints(service, port)
+            if not endpoints:
+                return Destination("unroutable", ip, port, service=service,
+                                   reason=f"service {service.hostname} has no healthy endpoints")
+            workload, target_port = choice(endpoints)
+            return Destination("service", workload.ip_for(ip), target_port, workload=workload, service=service)
+        workload = self._by_ip.get(ip)
+        if workload is not None:
+            return Destination("workload", ip, port, workload=workload)
+        return Destination("passthrough", ip, port)
+
+
+def diff(old: Mesh, new: Mesh) -> MeshDiff:
+    """Workloads removed, added and changed (by uid) from `old` to `new`."""
+    old_by_uid = {w.uid: w for w in old.workloads}
+    new_by_uid = {w.uid: w for w in new.workloads}
+    return MeshDiff(
+        removed=tuple(w for uid, w in old_by_uid.items() if uid not in new_by_uid),
+        added=tuple(w for uid, w in new_by_uid.items() if uid not in old_by_uid),
+        changed=tuple(
+            (w, new_by_uid[uid]) for uid, w in old_by_uid.items()
+            if uid in new_by_uid and new_by_uid[uid] != w
+        ),
+        services_changed=old.services != new.services,
+        policies_changed=old.policies != new.policies,
+    )

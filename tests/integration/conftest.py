@@ -62,7 +62,11 @@ class TwoNodes:
 
     def start(self):
         self.b.start()
-        self.a.start()
+        try:
+            self.a.start()
+        except BaseException:
+            self.stop()  # no orphaned node-b holding the ports
+            raise
         return self
 
     def stop(self):

@@ -134,6 +134,10 @@ class Node(service.MultiService):
         self.coordinator = DrainCoordinator(strategies, DrainFacade(self), metrics, reactor)
         self._removed_uids: set[str] = set()
         self._pending: set[str] = {"listeners"}
+        #: callables returning what else readiness waits for (e.g. the node agent's snapshot)
+        self.readiness_checks: list = []
+        #: extra /config_dump sections: name -> callable returning JSON-ready data
+        self.dump_sections: dict = {}
         self._stopping: defer.Deferred | None = None
         self._drain_deadline: float | None = None
 
@@ -315,7 +319,10 @@ class Node(service.MultiService):
     # -- admin facade -----------------------------------------------------------
 
     def readiness(self) -> list[str]:
-        return sorted(self._pending)
+        pending = set(self._pending)
+        for check in self.readiness_checks:
+            pending.update(check())
+        return sorted(pending)
 
     def admin_routes(self) -> dict:
         return drain_admin_routes(self)
@@ -342,6 +349,7 @@ class Node(service.MultiService):
                 }
                 for c in self.certificates.all()
             ],
+            **{name: section() for name, section in self.dump_sections.items()},
         }
 
 

@@ -24,6 +24,10 @@ from ztwisted.sockets import allow_accept_queue_migration, listener_service
 
 log = Logger()
 
+DEFAULT_SOCKET_PATH = "/var/run/ztunnel/ztunnel.sock"
+#: ztunnel's mark on its own traffic, so a pod's redirect rules can let it pass
+DEFAULT_PACKET_MARK = 1337
+
 
 def default_state_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
@@ -60,6 +64,8 @@ class Options(usage.Options):
          "(default: from TERMINATION_GRACE_PERIOD_SECONDS as ztunnel does, else 5)."],
         ["connect-timeout", None, 10.0, "Seconds to connect to a peer (TCP and TLS).", float],
         ["pod-drain-timeout", None, 3.0, "Seconds a pod-removal drain may take (keep it under the node agent's Ack timeout).", float],
+        ["inpod-uds", None, None, "In-pod mode: the node agent's ZDS socket (default when --inpod: /var/run/ztunnel/ztunnel.sock)."],
+        ["packet-mark", None, None, "SO_MARK on every socket the proxy opens (default: 1337 in in-pod mode, none otherwise).", int],
         ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
         ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
     ]
@@ -67,6 +73,10 @@ class Options(usage.Options):
     def opt_version(self):
         print(f"ztwisted {__version__}")
         sys.exit(0)
+
+    optFlags = [
+        ["inpod", None, "In-pod mode: the node agent (ZDS) adds pods and their network namespaces."],
+    ]
 
     def __init__(self):
         super().__init__()
@@ -96,6 +106,14 @@ class Options(usage.Options):
                 ) from None
         else:
             self["drain-timeout"] = drain_timeout_from_environment()
+        if self["inpod-uds"]:
+            self["inpod"] = True
+        if self["inpod"]:
+            self["inpod-uds"] = self["inpod-uds"] or DEFAULT_SOCKET_PATH
+            if self["packet-mark"] is None:
+                self["packet-mark"] = DEFAULT_PACKET_MARK
+        if self["packet-mark"] == 0:
+            self["packet-mark"] = None
         if self["state-dir"] is None:
             self["state-dir"] = default_state_dir()
         try:
@@ -182,6 +200,8 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
         pod_drain_timeout=config["pod-drain-timeout"],
         strategies=config.strategies,
         keepalive=(config["keepalive-interval"], config["keepalive-timeout"]),
+        inpod=bool(config["inpod"]),
+        packet_mark=config["packet-mark"],
         config_source=config["config"] or "<built-in example>",
     )
     node.setServiceParent(root)
@@ -197,6 +217,14 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
     ]:
         if description and description != "none":
             listener_service(description, factory, reactor).setServiceParent(node)
+    if config["inpod"]:
+        from ztwisted.inpod.client import ZdsClient
+        from ztwisted.inpod.proxies import PodProxies
+
+        zds = ZdsClient(reactor, config["inpod-uds"], PodProxies(node), metrics)
+        zds.setServiceParent(root)
+        node.readiness_checks.append(lambda: [] if zds.ready() else ["node agent snapshot", *sorted(zds.pending())])
+        node.dump_sections["inpod"] = zds.status
     if config["config"]:
 
         def reloaded(mesh):

@@ -214,14 +214,6 @@ def test_rapid_reset_is_cut_off(warm, tmp_path):
     assert_still_serving(nodes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: InboundHBONE._tunnel_requested (ztwisted/hbone/inbound.py), `connected`: when the peer "
-    "reset the stream while the connect to the workload was in flight, stream.accept() is a no-op but "
-    "splice(stream, app) still runs, so the new connection to the workload is never closed (one leaked "
-    "socket per reset stream: a rapid-reset peer exhausts file descriptors). Fix: in `connected`, "
-    "`if stream.done: app.abort(); return` (or cancel `connecting` when stream.finished fires).",
-)
 def test_streams_reset_before_the_workload_answers_leave_no_connection_behind(two_nodes, echo_app, tmp_path):
     client = RawClient(client_context(two_nodes, tmp_path))
     try:

@@ -103,13 +103,6 @@ def test_app_sees_the_connection_end_when_the_peer_node_freezes(nodes):
         pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: ConnectionPool._add (ztwisted/hbone/pool.py) chains "
-    "`connection.closed.addBoth(lambda reason: self._remove(connection))`, which returns None, before "
-    "track_hbone_connection adds its callback (via on_connection_opened), so every pooled connection is "
-    "counted with ended_by='lost'. Fix: return the result from that callback.",
-)
 def test_keepalive_timeout_is_counted_on_the_client_node(nodes):
     sock = open_tunnel(nodes)
     with sock:

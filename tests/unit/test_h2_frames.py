@@ -373,13 +373,6 @@ def test_drain_deadline_cancels_remaining_streams_then_closes():
     assert drained.result == "drain-deadline"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: HBONEConnection._drain_deadline (ztwisted/h2/connection.py) resets the streams with "
-    "Stream.reset(), which never tells the partner; the app's TCP connection stays open forever. "
-    "Fix: abort the partner there (e.g. `if stream.partner is not None: stream.partner.abort()` "
-    "after the reset, or a Stream.cancel() that does both).",
-)
 def test_drain_deadline_resets_the_app_side_of_each_stream():
     link = Link(client=False)
     _, ours = link.peer_open_tunnel()
@@ -586,15 +579,6 @@ def test_rapid_reset_is_cut_off():
     assert link.conn.ended_by == "flood"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: abort_connection() (ztwisted/h2/connection.py) leaves _connected True until "
-    "connectionLost, so HBONEConnection.dataReceived and the StreamReset branch of _handle_event "
-    "(`if not self._connected: return`) keep handling the rest of the chunk: every further reset "
-    "trips the limit again (on_limit/metric per reset, one GOAWAY and abortConnection each). "
-    "Fix: a `_closing` flag set in abort_connection() (and _close_with_close_notify) that "
-    "dataReceived/_handle_event check instead of _connected, and that _flood/_limit_hit honour.",
-)
 def test_rapid_reset_in_one_chunk_counts_once():
     link = Link(client=False, settings=H2Settings.server(max_peer_resets_per_second=5), handler=None)
     for _ in range(20):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import h2.errors
-import pytest
 from twisted.internet import defer, error, task
 from twisted.test import iosim
 
@@ -284,13 +283,6 @@ def test_refused_stream_is_retried_once_invisibly():
     assert len(s.net.requests) == 2 and s.net.requests[1].response.called
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: ConnectionPool._open_tunnel (ztwisted/hbone/pool.py) retries a REFUSED_STREAM on whatever "
-    "_acquire() returns, i.e. the same connection that just refused it, although the docstring and "
-    "issue 3 say 'retried once on another connection'. Fix: let _acquire skip the connection that "
-    "refused (e.g. `_acquire(key, exclude=connection)`, opening a new one if needed).",
-)
 def test_refused_stream_is_retried_on_another_connection():
     s = Setup()
     s.net.handlers = [refuse, accept]
@@ -341,14 +333,6 @@ def test_new_stream_cancels_the_idle_release():
     assert s.pool.connections() == [s.net.clients[0]] and s.net.transports[0].calls == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: ConnectionPool._add (ztwisted/hbone/pool.py) adds "
-    "`connection.closed.addBoth(lambda reason: self._remove(connection))`, which returns None, so every "
-    "later observer of `closed` gets None instead of ended_by: drain()/retire() fire with None and "
-    "track_hbone_connection (added after it via on_connection_opened) counts every outbound connection "
-    "as ended_by='lost'. Fix: return the result, e.g. `lambda reason: (self._remove(connection), reason)[1]`.",
-)
 def test_closed_result_survives_the_pool():
     s = Setup()
     result_of(_opened(s))

@@ -190,10 +190,12 @@ class Stream:
         self.connection._respond(self, status, end_stream=True)
 
     def reset(self, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
-        """Send RST_STREAM and forget the stream."""
+        """Send RST_STREAM, reset the partner too, and forget the stream."""
         if self._done:
             return
         self.connection._reset_stream(self, code)
+        if self.partner is not None:
+            self.partner.abort()
         self._finish("reset")
 
     # -- what the connection tells us ---------------------------------------
@@ -336,6 +338,9 @@ class HBONEConnection(Protocol):
         self._ping_wait_timer = None
         self._pending_pings: dict[bytes, Callable[[], None]] = {}
         self._connected = False
+        #: set once this side started to close the transport: nothing more is processed
+        self._closing = False
+        self._aborted = False
         self._handshake_timer = None
         self._idle_timer = None
         self._unread_control_bytes = 0
@@ -391,7 +396,7 @@ class HBONEConnection(Protocol):
             return
         for event in events:
             self._handle_event(event)
-            if not self._connected:
+            if self._closing:
                 return
         for goaway in goaways:
             self._goaway_received(goaway)
@@ -500,7 +505,9 @@ class HBONEConnection(Protocol):
         """Close without close_notify; every stream is reset. ``ended_by``: one of :data:`ENDINGS`."""
         if self.ended_by is None:
             self.ended_by = ended_by
-        if self._connected:
+        self._closing = True
+        if self._connected and not self._aborted:
+            self._aborted = True
             self.transport.abortConnection()
 
     def _second_goaway(self) -> None:
@@ -518,9 +525,10 @@ class HBONEConnection(Protocol):
                 count=len(self.streams),
                 peer=self._peer_text(),
             )
+            if self.ended_by is None:
+                self.ended_by = "drain-deadline"
             for stream in list(self.streams.values()):
                 stream.reset(h2.errors.ErrorCodes.CANCEL)
-            self.ended_by = "drain-deadline"
             self._close_with_close_notify()
 
     def _close_when_idle(self) -> None:
@@ -530,7 +538,10 @@ class HBONEConnection(Protocol):
             self._close_with_close_notify()
 
     def _close_with_close_notify(self) -> None:
+        if self._closing:
+            return
         self._flush_h2()
+        self._closing = True
         # TLSMemoryBIOProtocol sends close_notify only once no producer is registered.
         self.transport.unregisterProducer()
         self.transport.loseConnection()
@@ -562,11 +573,15 @@ class HBONEConnection(Protocol):
             "HTTP/2 protocol error from {peer} ({kind}): {error}", peer=self._peer_text(), kind=kind, error=exc
         )
         self._limit_hit(kind, str(exc))
+        # h2 queued a GOAWAY of its own; ours (which h2 does not track) replaces it.
+        self.h2.clear_outbound_data_buffer()
         code = getattr(exc, "error_code", None) or h2.errors.ErrorCodes.PROTOCOL_ERROR
         self._send_goaway(self.h2.highest_inbound_stream_id, int(code))
         self.abort_connection("protocol-error")
 
     def _flood(self, kind: str, detail: str) -> None:
+        if self._closing:
+            return
         self.log.warn("closing connection from {peer}: {kind} flood ({detail})", peer=self._peer_text(), kind=kind, detail=detail)
         self._limit_hit(kind, detail)
         self._send_goaway(self.h2.highest_inbound_stream_id, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
@@ -657,7 +672,7 @@ class HBONEConnection(Protocol):
         elif isinstance(event, h2.events.StreamReset):
             if event.remote_reset:
                 self._count_peer_reset()
-                if not self._connected:
+                if self._closing:
                     return
             stream = self.streams.get(event.stream_id)
             if stream is not None:

@@ -116,6 +116,10 @@ class InboundHBONE:
         connecting = self.network.connect(ip, port, Factory.forProtocol(lambda: app), timeout=self.node.connect_timeout)
 
         def connected(_):
+            if stream.done:
+                # The peer gave up on the tunnel while we were connecting.
+                app.abort()
+                return
             stream.accept()
             record.finish_when_done(splice(stream, app), stream, app)
 

@@ -62,20 +62,24 @@ class ConnectionPool:
         return defer.Deferred.fromCoroutine(self._open_tunnel(key, authority, list(headers)))
 
     async def _open_tunnel(self, key, authority, headers):
+        connection = await self._acquire(key)
         try:
-            connection = await self._acquire(key)
             self._cancel_idle(connection)
             return await connection.open_tunnel(authority, headers)
         except StreamRefused as refused:
-            self.log.info("tunnel to {authority} refused before it opened ({why}); retrying on another connection", authority=authority, why=refused)
-        connection = await self._acquire(key)
+            self.log.info(
+                "tunnel to {authority} refused before it opened ({why}); retrying on another connection",
+                authority=authority,
+                why=refused,
+            )
+        connection = await self._acquire(key, exclude=connection)
         self._cancel_idle(connection)
         return await connection.open_tunnel(authority, headers)
 
-    async def _acquire(self, key: PoolKey) -> HBONEConnection:
+    async def _acquire(self, key: PoolKey, exclude: HBONEConnection | None = None) -> HBONEConnection:
         while True:
             for connection in self._connections.get(key, ()):
-                if connection.available_streams > 0:
+                if connection is not exclude and connection.available_streams > 0:
                     return connection
             waiter = defer.Deferred()
             waiters = self._connecting.get(key)
@@ -116,7 +120,7 @@ class ConnectionPool:
         self._connections.setdefault(key, []).append(connection)
         self._keys[connection] = key
         connection.stream_finished_hook = self._stream_finished
-        connection.closed.addBoth(lambda reason: self._remove(connection))
+        connection.closed.addBoth(lambda ended_by: (self._remove(connection), ended_by)[1])
         if self._on_connection_opened is not None:
             self._on_connection_opened(key, connection)
 

@@ -297,16 +297,6 @@ def h2_status_open(tmp_path, nodes, authority: str) -> tuple[int | None, bool]:
             tls.sendall(conn.data_to_send())
 
 
-# ztwisted/hbone/outbound.py: `_connect` raises OutboundRefused for refusals decided before
-# connecting (source not a local workload, unknown hostname, unroutable service port), outside
-# the `try` that converts errors with `_as_refusal`. OutboundRefused is no Socks5Error, so
-# Socks5Protocol._connect_failed answers GENERAL_FAILURE (0x01) and logs a critical traceback.
-# Fix: make OutboundRefused a subclass of ztwisted.hbone.socks5.Socks5Error (passing `reply` as
-# reply_code), or convert it with `_as_refusal` for the whole of `_connect`.
-OUTBOUND_REFUSED_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="outbound.py: OutboundRefused raised before the upstream try is not mapped to its SOCKS5 reply (sent 0x01)",
-)
 
 
 # -- SOCKS5 --------------------------------------------------------------------------
@@ -357,7 +347,6 @@ def test_socks5_malformed_request(nodes, still_serving, request_bytes, expected_
     wait_for_log(nodes.a, message_has(logged), since)
 
 
-@OUTBOUND_REFUSED_BUG
 def test_socks5_from_an_address_that_is_no_local_workload(nodes, still_serving):
     since = len(nodes.a.log_events())
     with pytest.raises(Socks5Refused) as refused:
@@ -366,7 +355,6 @@ def test_socks5_from_an_address_that_is_no_local_workload(nodes, still_serving):
     wait_for_log(nodes.a, message_has("refusing outbound connection from", OUTSIDE_IP, "no local workload"), since)
 
 
-@OUTBOUND_REFUSED_BUG
 def test_socks5_workload_on_another_node_cannot_use_this_one(nodes, still_serving):
     """SERVER_IP is a workload, but node-b's, so node-a refuses it as a source."""
     with pytest.raises(Socks5Refused) as refused:
@@ -374,7 +362,6 @@ def test_socks5_workload_on_another_node_cannot_use_this_one(nodes, still_servin
     assert refused.value.code == 0x02
 
 
-@OUTBOUND_REFUSED_BUG
 def test_socks5_hostname_no_service_has(nodes, still_serving):
     since = len(nodes.a.log_events())
     with pytest.raises(Socks5Refused) as refused:
@@ -383,7 +370,6 @@ def test_socks5_hostname_no_service_has(nodes, still_serving):
     wait_for_log(nodes.a, message_has("no service has the hostname", "nope.default.svc.cluster.local"), since)
 
 
-@OUTBOUND_REFUSED_BUG
 def test_socks5_service_port_the_service_does_not_have(nodes, still_serving):
     since = len(nodes.a.log_events())
     with pytest.raises(Socks5Refused) as refused:

@@ -154,7 +154,6 @@ def test_istio_tcp_metrics_with_labels_on_both_reporters(two_nodes):
 # port equal to the tunnel's destination port. Fix: parse the authority before creating the
 # ConnectionRecord, pick that service from `self.workload.services` / `mesh.service_by_hostname`,
 # and pass it as `service=` (and as "dst.service" in the access-log fields).
-@pytest.mark.xfail(strict=True, reason="inbound.py: destination reporter has destination_service='unknown' (no guess_inbound_service)")
 def test_destination_reporter_names_the_service(two_nodes):
     echo(two_nodes)
     closed_on_both(two_nodes)
@@ -253,7 +252,6 @@ def test_one_access_log_event_per_connection_on_both_nodes(two_nodes):
 # inbound "src.addr" (e.g. `for="127.0.2.1:40000"`) instead of an address. Fix: parse the
 # `for=` parameter (strip the quotes, as ztunnel's get_original_src_from_fwded does) and fall
 # back to the peer's ip:port.
-@pytest.mark.xfail(strict=True, reason='inbound.py: access log src.addr is the raw Forwarded value for="ip:port"')
 def test_inbound_access_log_source_is_an_address(two_nodes):
     port = echo(two_nodes)
     closed_on_both(two_nodes)

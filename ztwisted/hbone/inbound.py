@@ -36,6 +36,27 @@ def parse_authority(authority: str) -> tuple[str, int] | None:
     return str(ip), port
 
 
+def forwarded_for(header: str | None) -> str | None:
+    """The ``for=`` address of a ``Forwarded`` header (RFC 7239), unquoted."""
+    if not header:
+        return None
+    for element in header.split(","):
+        for pair in element.split(";"):
+            name, _, value = pair.strip().partition("=")
+            if name.lower() == "for" and value:
+                return value.strip('"')
+    return None
+
+
+def _inbound_service(mesh, workload, port: int):
+    """The service a connection to ``workload``'s ``port`` most likely came through (ztunnel's guess)."""
+    for key, ports in workload.services.items():
+        if port in ports.values():
+            namespace, _, hostname = key.partition("/")
+            return mesh.service_by_hostname(hostname, namespace)
+    return None
+
+
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
@@ -67,8 +88,11 @@ class InboundHBONE:
     def _tunnel_requested(self, connection: HBONEConnection, stream: Stream) -> None:
         mesh = self.node.mesh
         authority = stream.headers.get(":authority", "")
-        source_ip = connection.transport.getPeer().host
+        peer = connection.transport.getPeer()
+        source_ip = peer.host
         source_identity = connection.peer_identity
+        target = parse_authority(authority)
+        service = _inbound_service(mesh, self.workload, target[1]) if target is not None else None
         record = ConnectionRecord(
             self.node.metrics,
             self.node.reactor,
@@ -76,21 +100,22 @@ class InboundHBONE:
                 "destination",
                 source=mesh.workload_by_ip(source_ip),
                 destination=self.workload,
+                service=service,
                 source_identity=source_identity,
                 destination_identity=self.workload.identity,
                 mutual_tls=True,
             ),
             **{
                 "direction": "inbound",
-                "src.addr": stream.headers.get("forwarded", source_ip),
+                "src.addr": forwarded_for(stream.headers.get("forwarded")) or f"{peer.host}:{peer.port}",
                 "src.identity": str(source_identity),
                 "dst.addr": authority,
+                "dst.service": service.hostname if service is not None else None,
                 "dst.workload": self.workload.name,
                 "dst.namespace": self.workload.namespace,
                 "dst.identity": str(self.workload.identity),
             },
         )
-        target = parse_authority(authority)
         if target is None:
             record.refused("-", f"bad authority {authority!r}")
             stream.refuse(400)

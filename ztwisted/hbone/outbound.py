@@ -23,12 +23,8 @@ log = Logger()
 HBONE_PORT = 15008
 
 
-class OutboundRefused(Exception):
-    """An outbound connection that the proxy will not carry; ``reply`` is the SOCKS5 code."""
-
-    def __init__(self, reply: int, message: str):
-        super().__init__(message)
-        self.reply = reply
+class OutboundRefused(Socks5Error):
+    """An outbound connection that the proxy will not carry; ``reply_code`` is the SOCKS5 answer."""
 
 
 class Outbound:
@@ -175,8 +171,8 @@ class Outbound:
 
 
 def _as_refusal(e: Exception) -> Exception:
-    if isinstance(e, (OutboundRefused, Socks5Error)):
-        return Socks5Error(e.reply if isinstance(e, OutboundRefused) else e.reply_code, str(e))
+    if isinstance(e, Socks5Error):
+        return e
     if isinstance(e, TunnelRefused):
         reply = Reply.NOT_ALLOWED if e.status in (401, 403) else Reply.CONNECTION_REFUSED
         return Socks5Error(reply, str(e))

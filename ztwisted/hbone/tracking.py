@@ -32,7 +32,8 @@ class ConnectionRecord:
 
         def done(outcomes):
             self.metrics.closed(self.labels)
-            self.metrics.bytes(self.labels, sent=upstream_end.bytes_sent, received=upstream_end.bytes_received)
+            # Istio's convention: "received" is what the client sent, "sent" what it got back.
+            self.metrics.bytes(self.labels, sent=upstream_end.bytes_received, received=upstream_end.bytes_sent)
             app_outcome, upstream_outcome = outcomes
             error = None if (app_outcome, upstream_outcome) == ("closed", "closed") else f"{app_outcome}/{upstream_outcome}"
             self._log(bytes_sent=upstream_end.bytes_sent, bytes_recv=upstream_end.bytes_received, error=error)

@@ -119,14 +119,15 @@ class Options(usage.Options):
         try:
             self.mesh = load_config(self["config"] or builtin_example_path())
         except ConfigError as e:
-            raise usage.UsageError(str(e)) from None
+            # Not a usage mistake: the error alone, without twistd's whole usage text.
+            raise SystemExit(f"ztunnel: bad configuration:\n{e}") from None
         try:
             if self["ca-dir"]:
                 self.certificate_authority = CertificateAuthority.load(self["ca-dir"])
             else:
                 self.certificate_authority = CertificateAuthority.load_or_create_dev(self["state-dir"])
         except CAError as e:
-            raise usage.UsageError(str(e)) from None
+            raise SystemExit(f"ztunnel: certificate authority: {e}") from None
         if self["node"] and not self.mesh.local_workloads(self["node"]):
             log.warn("no workload in the configuration has node {node!r}", node=self["node"])
 

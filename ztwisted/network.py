@@ -14,7 +14,7 @@ import socket
 
 from twisted.internet import defer
 
-from ztwisted.sockets import connect_tcp, listen_tcp
+from ztwisted.sockets import allow_accept_queue_migration, connect_tcp, listen_tcp
 
 
 class HostNetwork:
@@ -50,7 +50,10 @@ class PodNetwork:
         return f"netns {self.netns.name}"
 
     def listen(self, ip: str, port: int, factory) -> defer.Deferred:
-        from ztwisted.inpod.netns import listening_socket_in
+        from ztwisted.inpod.netns import listening_socket_in, run_in_netns
+
+        # Per namespace: a restarted proxy then loses none of the pod's queued connections.
+        run_in_netns(self.netns, allow_accept_queue_migration, reactor=self.reactor).addErrback(lambda failure: None)
 
         def adopt(sock: socket.socket):
             try:

@@ -27,6 +27,8 @@ log = Logger()
 DEFAULT_DRAIN_TIMEOUT = 5.0
 #: under a real node agent's 5 s Ack timeout
 DEFAULT_POD_DRAIN_TIMEOUT = 3.0
+#: after pod_drain_timeout, how long the node waits for a strategy before closing the pod itself
+POD_DRAIN_GRACE = 0.25
 
 
 def drain_timeout_from_environment(environ=os.environ) -> float:
@@ -83,6 +85,10 @@ class WorkloadListeners:
         return defer.gatherResults([defer.maybeDeferred(port.stopListening) for port in ports])
 
     def drain(self, graceful: bool, deadline: float | None) -> defer.Deferred:
+        """End the HBONE connections (gracefully or not); plaintext ones have no graceful end but their own."""
+        if not graceful:
+            for connection in list(self.plaintext.connections):
+                connection.abort()
         return defer.gatherResults(
             [connection.drain(graceful=graceful, deadline=deadline) for connection in list(self.hbone.connections)]
         )
@@ -139,6 +145,7 @@ class Node(service.MultiService):
         #: extra /config_dump sections: name -> callable returning JSON-ready data
         self.dump_sections: dict = {}
         self._stopping: defer.Deferred | None = None
+        self._strategies_stopping: defer.Deferred | None = None
         self._drain_deadline: float | None = None
 
     # -- lifecycle ------------------------------------------------------------
@@ -171,12 +178,15 @@ class Node(service.MultiService):
         listeners = list(self.listeners.values())
         stopped = [listener.stop_listening() for listener in listeners]
         strategies_done = self.coordinator.proxy_stopping()
+        # A strategy cannot hold the process past the deadline; stop_now cancels it sooner.
+        strategies_done.addTimeout(self.drain_timeout, self.reactor)
+        self._strategies_stopping = strategies_done
         strategies_done.addErrback(lambda failure: None)
 
         def drain_the_rest(_):
             left = self.drain_time_left()
             connections = [c for listener in listeners for c in listener.hbone.connections] + self.outbound.pool.connections()
-            return drain_all(connections, graceful=True, deadline=left)
+            return drain_all(connections, graceful=left > 0, deadline=left)
 
         strategies_done.addCallback(drain_the_rest)
         self._stopping = defer.DeferredList([*stopped, strategies_done], consumeErrors=True)
@@ -191,6 +201,9 @@ class Node(service.MultiService):
     def stop_now(self) -> None:
         """A second SIGTERM/SIGINT: end every connection at once."""
         log.info("stopping at once: aborting every connection")
+        self._drain_deadline = self.reactor.seconds()
+        if self._strategies_stopping is not None and not self._strategies_stopping.called:
+            self._strategies_stopping.cancel()
         for listener in self.listeners.values():
             for connection in list(listener.hbone.connections):
                 connection.drain(graceful=False)
@@ -248,6 +261,8 @@ class Node(service.MultiService):
         if forget:
             self._removed_uids.add(workload.uid)
         removing = self.coordinator.pod_removed(workload)
+        # The node agent waits for this; a strategy gets pod_drain_timeout (its own deadline acts first).
+        removing.addTimeout(self.pod_drain_timeout + POD_DRAIN_GRACE, self.reactor)
         removing.addErrback(lambda failure: None)
         removing.addCallback(lambda _: self._close_pod(workload, forget))
         return removing
@@ -257,6 +272,10 @@ class Node(service.MultiService):
         closing = []
         if listener is not None:
             closing = [listener.stop_listening(), listener.drain(graceful=False, deadline=None)]
+        if forget:
+            # The pod's own pooled connections have no users left.
+            from_pod = [c for ip in workload.workload_ips for c in self.outbound.pool.connections(source_ip=str(ip))]
+            closing.append(drain_all(from_pod, graceful=False, deadline=None))
         done = defer.DeferredList(closing)
         if forget and self._pods.pop(workload.uid, None) is not None:
             network = self._networks.pop(workload.uid, None)

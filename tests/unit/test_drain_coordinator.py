@@ -32,7 +32,7 @@ from ztwisted.drain.strategies import (
 from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.metrics import Metrics
 from ztwisted.model import Mesh, Workload
-from ztwisted.node import Node
+from ztwisted.node import POD_DRAIN_GRACE, Node
 
 POD = Workload(uid="c//v1/Pod/default/echo", name="echo", namespace="default", workload_ips=["10.0.1.1"], node="n")
 OTHER_POD = Workload(uid="c//v1/Pod/default/other", name="other", namespace="default", workload_ips=["10.0.1.2"], node="n")
@@ -585,11 +585,6 @@ def test_the_node_drains_everything_with_the_time_left_after_proxy_stopping(cert
     assert drained.called
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Node.begin_proxy_drain (ztwisted/node.py:173) waits for the strategies' proxy_stopping "
-    "Deferred without bound; a strategy that never completes keeps twistd from exiting",
-)
 def test_proxy_drain_ends_at_the_drain_deadline_even_if_a_strategy_never_completes(certificate_authority):
     node, reactor = real_node(certificate_authority, [Hanging()], drain_timeout=5.0)
     drained = node.begin_proxy_drain()
@@ -597,27 +592,19 @@ def test_proxy_drain_ends_at_the_drain_deadline_even_if_a_strategy_never_complet
     assert drained.called
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Node.remove_pod (ztwisted/node.py:250) waits for the strategies' pod_removed Deferred "
-    "without bound; the pod's listeners stay open and the node agent's Ack never comes",
-)
 def test_pod_removal_ends_at_the_pod_drain_timeout_even_if_a_strategy_never_completes(certificate_authority):
     node, reactor = real_node(certificate_authority, [Hanging()], pod_drain_timeout=3.0)
     (connection,) = connections = [FakeConnection(reactor)]
     node.listeners[POD.uid] = FakeListeners(POD, connections)
     removed = node.remove_pod(POD)
     reactor.advance(3.0)
-    assert connection.drains == [DrainCall(3.0, False, None)]
+    assert connection.drains == []  # the strategy's own deadline comes first
+    reactor.advance(POD_DRAIN_GRACE)
+    assert connection.drains == [DrainCall(3.0 + POD_DRAIN_GRACE, False, None)]
     connection.end("abrupt")
     assert removed.called
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Node.stop_now (ztwisted/node.py:191) aborts the connections but the proxy drain still "
-    "waits for the strategies (gradual's schedule runs to 80 % of the window): a second signal does not stop at once",
-)
 def test_a_second_signal_ends_the_proxy_drain_at_once_even_during_gradual(certificate_authority):
     node, reactor = real_node(certificate_authority, [Gradual(rng=random.Random(1))], drain_timeout=10.0)
     connections = [FakeConnection(reactor, str(i)) for i in range(4)]

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
+from twisted.logger import Logger
 from twisted.plugin import getPlugins
 
 from ztwisted.interfaces import IDrainStrategy
 
 DEFAULT_STRATEGY = "immediate"
+#: what --drain-strategy can name (commas and "+" compose)
+VALID_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+log = Logger()
 
 
 class UnknownStrategy(ValueError):
@@ -19,7 +25,18 @@ def installed_strategies() -> dict:
 
     strategies = {}
     for strategy in getPlugins(IDrainStrategy, twisted.plugins):
-        strategies.setdefault(strategy.name, strategy)
+        name = getattr(strategy, "name", "")
+        if not VALID_NAME.fullmatch(name or ""):
+            log.warn("ignoring drain strategy {strategy!r}: its name {name!r} cannot be selected", strategy=strategy, name=name)
+        elif name in strategies:
+            log.warn(
+                "two drain strategies are named {name!r}: using {kept!r}, ignoring {ignored!r}",
+                name=name,
+                kept=strategies[name],
+                ignored=strategy,
+            )
+        else:
+            strategies[name] = strategy
     return dict(sorted(strategies.items()))
 
 

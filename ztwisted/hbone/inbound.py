@@ -179,9 +179,13 @@ class InboundPlaintext(Factory):
         self.node = node
         self.workload = workload
         self.network = network
+        self.connections: set[TCPEnd] = set()
 
     def buildProtocol(self, addr):
-        return _PlaintextInbound(self)
+        connection = _PlaintextInbound(self)
+        self.connections.add(connection)
+        connection.finished.addBoth(lambda outcome: (self.connections.discard(connection), outcome)[1])
+        return connection
 
 
 class _PlaintextInbound(TCPEnd):

@@ -1,0 +1,192 @@
+"""From one strategy's raw observations to its measures and chart series.
+
+The *termination window* runs from the "terminating" event to the end of
+traffic; counts marked ``in_window`` only look at it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ztwisted.lab.clients import FAILURE_KINDS, RequestRecord
+from ztwisted.lab.probes import delta, total
+
+BIN = 0.5  # seconds per bar of the request-rate series
+
+
+def event_time(events: list[dict], name: str) -> float | None:
+    return next((e["t"] for e in events if e["name"] == name), None)
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 2)
+
+
+def request_counts(records: list[RequestRecord]) -> dict:
+    failed_by = dict.fromkeys(FAILURE_KINDS, 0)
+    for record in records:
+        if not record.ok:
+            failed_by[record.failure or "error"] += 1
+    succeeded = sum(1 for record in records if record.ok)
+    return {
+        "sent": len(records),
+        "succeeded": succeeded,
+        "failed": len(records) - succeeded,
+        "failed_by": failed_by,
+    }
+
+
+def byte_counts(records: list[RequestRecord]) -> dict:
+    sent = sum(r.bytes_sent for r in records)
+    echoed = sum(r.bytes_echoed for r in records)
+    payload = sum(r.payload_bytes for r in records)
+    return {
+        "payload": payload,  # what the apps meant to send
+        "sent": sent,  # written to a connection
+        "echoed": echoed,  # came back intact
+        "lost": sent - echoed,  # written, never echoed
+        "unsent": payload - sent,  # the request failed before its payload was written
+    }
+
+
+def latency_summary(values: list[float]) -> dict:
+    return {
+        "count": len(values),
+        "p50_ms": _ms(percentile(values, 50)),
+        "p99_ms": _ms(percentile(values, 99)),
+        "max_ms": _ms(max(values) if values else None),
+    }
+
+
+def pool_leftovers(pool: list[dict], gone_at: float | None) -> dict:
+    """Node A's pooled connections to B1 once B1 is gone (its network torn down), and when the last closed.
+
+    ``last_closed_after_s`` is the first poll that saw none minus ``gone_at``
+    (resolution: the poll interval); None if some were still open at the end.
+    """
+    if gone_at is None or not pool:
+        return {"open_at_gone": None, "last_closed_after_s": None, "still_open_at_end": None}
+    after = [sample for sample in pool if sample["t"] >= gone_at]
+    if not after:
+        return {"open_at_gone": None, "last_closed_after_s": None, "still_open_at_end": None}
+    open_at_gone = after[0]["b1"]
+    still_open = after[-1]["b1"]
+    last_closed = None
+    if still_open == 0:
+        last_open_index = max((i for i, s in enumerate(after) if s["b1"] > 0), default=None)
+        last_closed = 0.0 if last_open_index is None else round(after[last_open_index + 1]["t"] - gone_at, 3)
+    return {
+        "open_at_gone": open_at_gone,
+        "max_after_gone": max(s["b1"] for s in after),
+        "last_closed_after_s": last_closed,
+        "still_open_at_end": still_open,
+    }
+
+
+def series(records: list[RequestRecord], pool: list[dict], end: float) -> dict:
+    """Requests per second succeeded and failed (by when they ended), and node A's open HBONE connections.
+
+    ``end`` is when traffic stopped: the bins are the whole ones before it;
+    requests that ended later count in the last.
+    """
+    bins = max(1, int(end / BIN))
+    succeeded = [0] * bins
+    failed = [0] * bins
+    for record in records:
+        index = min(bins - 1, max(0, int((record.ended or 0) / BIN)))
+        (succeeded if record.ok else failed)[index] += 1
+    return {
+        "bin_s": BIN,
+        "succeeded_per_s": [round(n / BIN, 2) for n in succeeded],
+        "failed_per_s": [round(n / BIN, 2) for n in failed],
+        "hbone_a_to_b1": [[s["t"], s["b1"]] for s in pool],
+        "hbone_a_to_b2": [[s["t"], s["b2"]] for s in pool],
+    }
+
+
+def measure(raw: dict) -> dict:
+    """The measures of one strategy run (JSON-ready)."""
+    records: list[RequestRecord] = raw["records"]
+    events = raw["events"]
+    terminating = event_time(events, "terminating")
+    stopped = event_time(events, "traffic-stop")
+    in_window = [r for r in records if terminating is not None and (r.started or r.planned) >= terminating]
+    opening = [r for r in in_window if r.new_connection and r.tunnel_open is not None]
+    first_bytes = [r.first_byte for r in in_window if r.new_connection and r.first_byte is not None]
+    scrapes = raw["scrapes"]
+    window_a = delta(scrapes["after"]["a"], scrapes["before"]["a"])
+    window_b = delta(scrapes["after"]["b"], scrapes["before"]["b"])
+    opened = total(window_a, "ztwisted_pool_connections_opened_total")
+    handshake_failures = total(window_a, "ztwisted_tls_handshake_failures_total")
+    answered_by: dict[str, int] = {}
+    for record in records:
+        if record.ok:
+            answered_by[record.server] = answered_by.get(record.server, 0) + 1
+    apps = sorted({r.app for r in records})
+    return {
+        "requests": {
+            **request_counts(records),
+            "per_app": {app: request_counts([r for r in records if r.app == app]) for app in apps},
+            "in_window": request_counts(in_window),
+        },
+        "bytes": byte_counts(records),
+        "answered_by": dict(sorted(answered_by.items())),
+        "hbone": {
+            "opened_by_a_in_window": int(opened),
+            "tls_handshakes_by_a_in_window": int(opened + handshake_failures),
+            "closed_in_window": {
+                "a": _ended_by(window_a, "outbound"),
+                "b": _ended_by(window_b, "inbound"),
+            },
+        },
+        "tunnel_open": latency_summary([r.tunnel_open for r in opening]),
+        "first_response_byte": latency_summary(first_bytes),
+        "pool_to_b1": pool_leftovers(raw["pool"], event_time(events, "teardown")),
+        "delete_to_ack_s": raw["ack"]["delete_to_ack_s"],
+        "delete_status": raw["ack"]["status"],
+        "cpu_s": {
+            node: {
+                "run": round(scrapes["after"]["cpu"][node] - scrapes["start"]["cpu"][node], 3),
+                "window": round(scrapes["after"]["cpu"][node] - scrapes["before"]["cpu"][node], 3),
+            }
+            for node in ("a", "b")
+        },
+        "drain_events": {
+            "a": _drain_events(window_a),
+            "b": _drain_events(window_b),
+        },
+        "apps": raw["apps"],
+        "b1_exit": raw["b1_exit"],
+        "window_s": None if terminating is None or stopped is None else round(stopped - terminating, 3),
+    }
+
+
+def _ended_by(window: dict[str, float], direction: str) -> dict[str, int]:
+    prefix = "ztwisted_hbone_connections_closed_total{"
+    out = {}
+    for key, value in window.items():
+        if key.startswith(prefix) and f'direction="{direction}"' in key:
+            ended_by = key.split('ended_by="', 1)[1].split('"', 1)[0]
+            out[ended_by] = int(value)
+    return dict(sorted(out.items()))
+
+
+def _drain_events(window: dict[str, float]) -> dict[str, int]:
+    """``{"strategy:event": count}`` delivered during the window."""
+    prefix = "ztwisted_drain_events_total{"
+    out = {}
+    for key, value in window.items():
+        if key.startswith(prefix):
+            event = key.split('event="', 1)[1].split('"', 1)[0]
+            strategy = key.split('strategy="', 1)[1].split('"', 1)[0]
+            out[f"{strategy}:{event}"] = int(value)
+    return dict(sorted(out.items()))

@@ -1,0 +1,155 @@
+"""Run the lab: every strategy through the same scenario, one after another, with fresh proxies each."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attr
+
+from ztwisted import __version__
+from ztwisted.drain.registry import installed_strategies
+from ztwisted.lab.measures import event_time, measure, series
+from ztwisted.lab.mesh import Addresses
+from ztwisted.lab.netns import check_netns_mode
+from ztwisted.lab.probes import total
+from ztwisted.lab.scenario import LabConfig, LabError, Strategy, StrategyRun
+
+#: what a seed cannot pin down, said in every result
+NOT_DETERMINISTIC = (
+    "which endpoint (B1 or B2) node A picks for each connection: ztwisted's load balancing uses an unseeded random choice",
+    "timing: thread and process scheduling, so when requests start and end relative to the lifecycle events shifts by milliseconds",
+    "client-evict's connect backoff jitter (unseeded in the proxy)",
+    "ephemeral ports, TLS keys and PING payloads",
+)
+
+# progress(strategy index, strategy count, strategy name, phase, seconds, ok, failed)
+LabProgress = Callable[[int, int, str, str, float, int, int], None]
+
+
+def parse_strategies(names) -> list[Strategy]:
+    installed = installed_strategies()
+    strategies = [Strategy.parse(name, installed) for name in names]
+    seen = set()
+    for strategy in strategies:
+        if strategy.name in seen:
+            raise LabError(f"strategy {strategy.name} is listed twice")
+        seen.add(strategy.name)
+    if not strategies:
+        raise LabError("name at least one strategy with --strategies")
+    return strategies
+
+
+def run_lab(config: LabConfig, progress: LabProgress | None = None, *, command: str | None = None,
+            keep_records: bool = False) -> dict:
+    """Run every strategy of ``config``; returns the JSON-ready results."""
+    config.timeline.check()
+    if config.mode == "netns":
+        check_netns_mode()
+    elif config.mode != "loopback":
+        raise LabError(f"--mode must be loopback or netns, not {config.mode!r}")
+    strategies = parse_strategies(config.strategies)
+    temporary = config.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="ztunnel-lab-")) if temporary else Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    results = []
+    try:
+        for index, strategy in enumerate(strategies):
+
+            def report(phase, t, ok, failed, index=index, strategy=strategy):
+                if progress is not None:
+                    progress(index, len(strategies), strategy.name, phase, t, ok, failed)
+
+            run = StrategyRun(config, strategy, workdir / "runs" / strategy.name, workdir / "state", report)
+            results.append(strategy_result(run.run(), keep_records=keep_records))
+    finally:
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+    approximations = list(dict.fromkeys(a for result in results for a in result["approximations"]))
+    return {
+        "lab": {
+            "command": command,
+            "mode": config.mode,
+            "seed": config.seed,
+            "strategies": [s.name for s in strategies],
+            "timeline_s": config.timeline.as_json(),
+            "traffic": attr.asdict(config.traffic),
+            "proxies": {
+                "keepalive_interval_s": config.keepalive_interval,
+                "keepalive_timeout_s": config.keepalive_timeout,
+                "pod_drain_timeout_s": config.pod_drain_timeout,
+                "drain_timeout_s": config.drain_timeout,
+            },
+            "addresses": _addresses(Addresses(config.net)),
+            "machine": machine(),
+            "started_at": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds"),
+            "took_s": round(time.time() - started, 1),
+            "workdir": None if temporary else str(workdir),
+            "approximations": approximations,
+            "not_deterministic": list(NOT_DETERMINISTIC),
+        },
+        "strategies": results,
+    }
+
+
+def strategy_result(raw: dict, *, keep_records: bool = False) -> dict:
+    records = raw["records"]
+    end = event_time(raw["events"], "traffic-stop") or max((r.ended or 0 for r in records), default=0)
+    result = {
+        "name": raw["strategy"],
+        "components": raw["components"],
+        "delete_before_teardown": raw["delete_before_teardown"],
+        "events": raw["events"],
+        "measures": measure(raw),
+        "series": series(records, raw["pool"], end),
+        "scrapes": raw["scrapes"],
+        "metrics_during": [_during(sample) for sample in raw["metrics"]],
+        "approximations": raw["approximations"],
+        "failures": [r.as_json() for r in records if not r.ok][:100],
+        "sampler_errors": raw["sampler_errors"],
+        "logs": raw["logs"],
+    }
+    if keep_records:
+        result["records"] = [r.as_json() for r in records]
+    return result
+
+
+def _during(sample: dict) -> dict:
+    """The few series worth a timeline, from one periodic scrape."""
+    a, b = sample["a"], sample["b"]
+    return {
+        "t": sample["t"],
+        "cpu_s": {node: round(seconds, 3) for node, seconds in sample["cpu"].items()},
+        "a_pool_opened_total": total(a, "ztwisted_pool_connections_opened_total"),
+        "a_hbone_outbound_open": total(a, "ztwisted_hbone_connections", direction="outbound"),
+        "b_hbone_inbound_open": total(b, "ztwisted_hbone_connections", direction="inbound"),
+    }
+
+
+def _addresses(addresses: Addresses) -> dict:
+    names = ("pool_client", "request_client", "b1", "b2", "vip", "node_a", "node_b")
+    return {name: getattr(addresses, name) for name in names}
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "ztwisted": __version__,
+    }

@@ -148,6 +148,8 @@ class Stream:
         if self._outbound_size:
             partner.pauseProducing()
             self._partner_paused = True
+        # Early data was held unacknowledged until now: acknowledge it, and what follows.
+        self.resumeProducing()
 
     def write(self, data: bytes) -> None:
         if self._done or self._local_closed or not data:

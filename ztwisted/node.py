@@ -10,6 +10,7 @@ import os
 
 from twisted.application import service
 from twisted.internet import defer
+from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from ztwisted.ca import CertificateStore
@@ -87,8 +88,7 @@ class WorkloadListeners:
     def drain(self, graceful: bool, deadline: float | None) -> defer.Deferred:
         """End the HBONE connections (gracefully or not); plaintext ones have no graceful end but their own."""
         if not graceful:
-            for connection in list(self.plaintext.connections):
-                connection.abort()
+            self.plaintext.connections.abort_all()
         return defer.gatherResults(
             [connection.drain(graceful=graceful, deadline=deadline) for connection in list(self.hbone.connections)]
         )
@@ -183,15 +183,37 @@ class Node(service.MultiService):
         self._strategies_stopping = strategies_done
         strategies_done.addErrback(lambda failure: None)
 
-        def drain_the_rest(_):
-            left = self.drain_time_left()
-            connections = [c for listener in listeners for c in listener.hbone.connections] + self.outbound.pool.connections()
-            return drain_all(connections, graceful=left > 0, deadline=left)
-
-        strategies_done.addCallback(drain_the_rest)
+        strategies_done.addCallback(lambda _: defer.Deferred.fromCoroutine(self._drain_until_idle(listeners)))
         self._stopping = defer.DeferredList([*stopped, strategies_done], consumeErrors=True)
         self._stopping.addCallback(lambda _: log.info("proxy drain complete"))
         return _follow(self._stopping)
+
+    async def _drain_until_idle(self, listeners) -> None:
+        """Drain until no connection is left, new ones included (the pool may open some for
+        app connections accepted before the stop); at the deadline, end the rest at once."""
+        apps = [self.outbound.app_connections, *(listener.plaintext.connections for listener in listeners)]
+        while True:
+            connections = [c for listener in listeners for c in listener.hbone.connections] + self.outbound.pool.connections()
+            if not connections and not any(apps):
+                return
+            left = self.drain_time_left()
+            if left <= 0:
+                for connection in connections:
+                    connection.drain(graceful=False)
+                for live in apps:
+                    live.abort_all()
+                return
+            waits = [c.drain(graceful=True, deadline=left) for c in connections]
+            waits += [ended for live in apps for ended in live.ended()]
+            waited = defer.DeferredList(waits)
+            if waited.called:
+                # Everything listed says it is done but has not left the lists yet: look again shortly.
+                await deferLater(self.reactor, min(left, 0.05), lambda: None)
+                continue
+            try:
+                await waited.addTimeout(left, self.reactor)
+            except defer.TimeoutError:
+                pass
 
     def drain_time_left(self) -> float:
         if self._drain_deadline is None:

@@ -73,23 +73,8 @@ def test_restarting_the_socks5_side_node_loses_nothing(nodes):
     assert nodes.a.metric("istio_tcp_connections_opened_total") > 0, "the last successor carried traffic"
 
 
-# ztwisted/node.py, Node.begin_proxy_drain -> drain_the_rest: the proxy drain snapshots the inbound
-# HBONE connections and the pooled connections once, and the process exits when those have ended.
-# App connections the old process already accepted are not waited for: a SOCKS5 (or redirected)
-# client still in its handshake at SIGTERM, and any tunnel the pool opens on a new connection
-# during the drain, are cut when twistd stops the reactor. Under restart load without a long
-# tunnel this shows as "connection closed during SOCKS5 handshake" (about 2 in 2,400 connections
-# over 10 node-a restarts). Fix: count live app-side connections in Outbound (SOCKS5 and redirect
-# protocols: add in connectionMade, discard in connectionLost; InboundPlaintext likewise) and make
-# begin_proxy_drain wait until none is left (aborting them at the drain deadline), draining pool
-# connections opened during the drain as well (repeat drain_all until the pool is empty).
-LATE_TUNNEL_BUG = (
-    "node.py begin_proxy_drain waits only for the HBONE connections present at SIGTERM, "
-    "not for app connections already accepted (e.g. a SOCKS5 client mid-handshake)"
-)
 
 
-@pytest.mark.xfail(strict=True, reason=LATE_TUNNEL_BUG)
 def test_a_socks5_client_accepted_before_sigterm_is_carried_to_its_end(nodes):
     with socket.create_connection(nodes.a.socks5, source_address=(CLIENT_IP, 0), timeout=10) as sock:
         sock.sendall(b"\x05\x01\x00")

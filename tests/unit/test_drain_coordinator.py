@@ -30,6 +30,7 @@ from ztwisted.drain.strategies import (
     LastMile,
 )
 from ztwisted.hbone.pool import ConnectionPool, PoolKey
+from ztwisted.hbone.tracking import LiveConnections
 from ztwisted.metrics import Metrics
 from ztwisted.model import Mesh, Workload
 from ztwisted.node import POD_DRAIN_GRACE, Node
@@ -90,7 +91,11 @@ class FakeListeners:
     def __init__(self, workload, connections=()):
         self.workload = workload
         self.hbone = SimpleNamespace(connections=set(connections))
+        self.plaintext = SimpleNamespace(connections=LiveConnections())
         self.stopped = 0
+        for connection in connections:
+            # As InboundHBONE does: a connection leaves the set when it is gone.
+            connection.closed.addBoth(lambda result, c=connection: (self.hbone.connections.discard(c), result)[1])
 
     def stop_listening(self) -> defer.Deferred:
         self.stopped += 1

@@ -10,7 +10,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from ztwisted.authz import authorize
 from ztwisted.h2.connection import HBONEConnection, Stream
-from ztwisted.hbone.tracking import ConnectionRecord, track_hbone_connection
+from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
 from ztwisted.sockets import original_destination
 from ztwisted.splice import TCPEnd, splice
@@ -179,13 +179,10 @@ class InboundPlaintext(Factory):
         self.node = node
         self.workload = workload
         self.network = network
-        self.connections: set[TCPEnd] = set()
+        self.connections = LiveConnections()
 
     def buildProtocol(self, addr):
-        connection = _PlaintextInbound(self)
-        self.connections.add(connection)
-        connection.finished.addBoth(lambda outcome: (self.connections.discard(connection), outcome)[1])
-        return connection
+        return _PlaintextInbound(self)
 
 
 class _PlaintextInbound(TCPEnd):
@@ -193,7 +190,12 @@ class _PlaintextInbound(TCPEnd):
         super().__init__()
         self.inbound = factory
 
+    def connectionLost(self, reason=None) -> None:
+        super().connectionLost(reason)
+        self.inbound.connections.remove(self)
+
     def connectionMade(self) -> None:
+        self.inbound.connections.add(self)
         self.transport.pauseProducing()
         node, workload = self.inbound.node, self.inbound.workload
         destination = original_destination(self.transport)

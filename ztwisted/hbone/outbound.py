@@ -5,14 +5,14 @@ from __future__ import annotations
 import ipaddress
 
 from twisted.internet import defer, error
-from twisted.internet.protocol import Factory
+from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from ztwisted.h2.connection import ConnectionGone, HBONEConnection, TunnelError, TunnelRefused
 from ztwisted.hbone.pool import ConnectionPool, PoolKey
-from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory
-from ztwisted.hbone.tracking import ConnectionRecord, track_hbone_connection
+from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory, Socks5Protocol
+from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
 from ztwisted.sockets import original_destination
 from ztwisted.splice import TCPEnd, splice
@@ -32,6 +32,8 @@ class Outbound:
 
     def __init__(self, node):
         self.node = node
+        #: app connections accepted on SOCKS5 and redirect listeners (a drain waits for them)
+        self.app_connections = LiveConnections()
         self.pool = ConnectionPool(
             node.reactor,
             self._connect_hbone,
@@ -163,7 +165,12 @@ class Outbound:
             opening.addCallback(lambda _: app)
             return opening
 
-        return Socks5Factory(connect_request, self.node.reactor, on_error=lambda reason: self.node.metrics.socks5_errors.labels(reason=reason).inc())
+        return _TrackedSocks5Factory(
+            self.app_connections,
+            connect_request,
+            self.node.reactor,
+            on_error=lambda reason: self.node.metrics.socks5_errors.labels(reason=reason).inc(),
+        )
 
     def redirect_factory(self, source=None) -> Factory:
         """15001: redirected app connections; ``source`` is the pod whose listener it is, if known."""
@@ -199,6 +206,31 @@ def _baggage(workload) -> str:
     return ",".join(f"{k}={v}" for k, v in items.items() if v)
 
 
+class _TrackedSocks5(Socks5Protocol):
+    def __init__(self, live: LiveConnections, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._live = live
+
+    def connectionMade(self) -> None:
+        self._live.add(self)
+        super().connectionMade()
+
+    def connectionLost(self, reason=connectionDone) -> None:
+        super().connectionLost(reason)
+        self._live.remove(self)
+
+
+class _TrackedSocks5Factory(Socks5Factory):
+    def __init__(self, live: LiveConnections, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.live = live
+
+    def buildProtocol(self, addr):
+        protocol = _TrackedSocks5(self.live, self.connect_request, self.clock, self.on_error, self.handshake_timeout)
+        protocol.factory = self
+        return protocol
+
+
 class _RedirectFactory(Factory):
     def __init__(self, outbound: Outbound, source=None):
         self.outbound = outbound
@@ -217,6 +249,7 @@ class _RedirectedApp(TCPEnd):
         self.source = source
 
     def connectionMade(self) -> None:
+        self.outbound.app_connections.add(self)
         super().connectionMade()
         self.transport.pauseProducing()
         destination = original_destination(self.transport)
@@ -229,6 +262,10 @@ class _RedirectedApp(TCPEnd):
         opening = self.outbound.connect(self, (peer.host, peer.port), *destination, source_workload=self.source)
         opening.addCallback(lambda _: self.transport.resumeProducing())
         opening.addErrback(self._failed, destination)
+
+    def connectionLost(self, reason=None) -> None:
+        super().connectionLost(reason)
+        self.outbound.app_connections.remove(self)
 
     def _failed(self, failure, destination) -> None:
         log.info("outbound connection to {dst} failed: {why}", dst="{}:{}".format(*destination), why=failure.getErrorMessage())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from ztwisted.logs import access_log
@@ -75,3 +76,38 @@ def track_hbone_connection(metrics, connection, direction: str) -> None:
 
     connection.closed.addCallback(closed)
     connection.on_limit = lambda kind, detail: limits.labels(direction=direction, kind=kind).inc()
+
+
+class LiveConnections:
+    """The app-side connections a listener accepted, so that a drain can wait for them to end."""
+
+    def __init__(self):
+        self._ended: dict = {}
+
+    def add(self, protocol) -> None:
+        self._ended[protocol] = defer.Deferred()
+
+    def remove(self, protocol) -> None:
+        ended = self._ended.pop(protocol, None)
+        if ended is not None:
+            ended.callback(None)
+
+    def __len__(self) -> int:
+        return len(self._ended)
+
+    def __iter__(self):
+        return iter(list(self._ended))
+
+    def ended(self) -> list:
+        """One new Deferred per live connection, firing when it ends."""
+        waits = []
+        for ended in self._ended.values():
+            follower = defer.Deferred()
+            ended.addBoth(lambda result, follower=follower: (follower.callback(None), result)[1])
+            waits.append(follower)
+        return waits
+
+    def abort_all(self) -> None:
+        for protocol in self:
+            if protocol.transport is not None:
+                protocol.transport.abortConnection()

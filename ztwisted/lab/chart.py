@@ -85,6 +85,10 @@ def _end(strategy: dict) -> float:
     return max(done) if done else len(strategy["series"]["succeeded_per_s"]) * strategy["series"]["bin_s"]
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _legend(svg: _Svg, x: float, y: float) -> None:
     items = [
         (SUCCEEDED, "requests/s succeeded", "line"),
@@ -108,7 +112,7 @@ def _panel(svg: _Svg, strategy: dict, top: float, x_of, end: float, rate_max: fl
     requests = m["requests"]
     summary = (
         f"{strategy['name']}  -  {requests['failed']} of {requests['sent']} requests failed, "
-        f"{m['hbone']['opened_by_a_in_window']} new HBONE connections, Del->Ack "
+        f"{_count(m['hbone']['opened_by_a_in_window'], 'new HBONE connection')}, Del->Ack "
         f"{'-' if m['delete_to_ack_s'] is None else format(m['delete_to_ack_s'] * 1000, '.0f') + ' ms'}"
     )
     svg.text(LEFT, top + 14, summary, font_size=12, font_weight="bold")
@@ -149,7 +153,7 @@ def _panel(svg: _Svg, strategy: dict, top: float, x_of, end: float, rate_max: fl
     for i, rate in enumerate(series["failed_per_s"]):
         if rate:
             x0, x1 = x_of(i * width), x_of((i + 1) * width)
-            h = RATE_H * min(rate, rate_max) / rate_max
+            h = max(3.0, RATE_H * min(rate, rate_max) / rate_max)  # a lone failure stays visible
             svg.add("rect", x=f"{x0:.1f}", y=f"{rate_top + RATE_H - h:.1f}", width=f"{max(1.0, x1 - x0 - 1):.1f}", height=f"{h:.1f}", fill=FAILED)
     points = []
     for i, rate in enumerate(series["succeeded_per_s"]):

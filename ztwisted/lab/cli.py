@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import attr
 from ztwisted.lab.chart import render_svg
 from ztwisted.lab.clients import Traffic
 from ztwisted.lab.mesh import Addresses
+from ztwisted.lab.netns import leftover_namespaces
 from ztwisted.lab.report import ProgressLine, format_table, write_json
 from ztwisted.lab.runner import run_lab
 from ztwisted.lab.scenario import DEFAULT_STRATEGIES, LabConfig, LabError, Timeline
@@ -99,7 +101,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--records", action="store_true", help="put every request's record in results.json")
     run.add_argument("--quiet", action="store_true", help="no progress display")
 
-    cleanup = commands.add_parser("cleanup", help="remove blackhole routes a killed run left in 127.NET.0.0/16")
+    cleanup = commands.add_parser(
+        "cleanup", help="remove what a killed run left: blackhole routes in 127.NET.0.0/16, ztwNET-* namespaces"
+    )
     cleanup.add_argument("--net", type=int, default=91)
     return top
 
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ztunnel-lab: {e}", file=sys.stderr)
             return 2
         print("removed blackhole routes: " + (", ".join(removed) or "none"))
+        namespaces = leftover_namespaces(args.net)
+        for name in namespaces:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        print("removed network namespaces: " + (", ".join(namespaces) or "none"))
         return 0
     # SIGTERM unwinds like Ctrl-C, so proxies stop and blackhole routes go away.
     signal.signal(signal.SIGTERM, _terminate)

@@ -19,12 +19,19 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import attr
 
 from ztwisted.harness import Socks5Refused, socks5_connect
 from ztwisted.lab.protocol import ClosedEarly, FrameReader, ProtocolError, Request, encode_request, read_response
+
+
+def socks5_connector(proxy: tuple[str, int], source_ip: str, host: str, port: int) -> Callable[[float], socket.socket]:
+    """Connections through a node's SOCKS5 port, from a pod's address (loopback mode)."""
+    return lambda timeout: socks5_connect(proxy, source_ip, host, port, timeout=timeout)
+
 
 FAILURE_KINDS = ("reset", "timeout", "refused", "closed", "corrupt", "error")
 
@@ -72,7 +79,7 @@ class RequestRecord:
     bytes_echoed: int = attr.ib(default=0)  # payload bytes that came back intact
     server: str | None = attr.ib(default=None)
     new_connection: bool = attr.ib(default=False)
-    tunnel_open: float | None = attr.ib(default=None)  # connect -> SOCKS5 success reply
+    tunnel_open: float | None = attr.ib(default=None)  # connect -> SOCKS5 success reply (loopback mode)
     first_byte: float | None = attr.ib(default=None)  # connect -> first response byte (new connections)
     latency: float | None = attr.ib(default=None)  # request sent -> whole response
 
@@ -135,17 +142,23 @@ class RequestMaker:
 
 
 class _App:
-    def __init__(self, name: str, proxy, source_ip: str, host: str, port: int, traffic: Traffic, recorder: Recorder, seed: int):
+    """``connect(timeout)`` opens a connection to the service from the app's pod; ``enter()`` runs first in
+    every thread of the app (to enter the pod's network namespace); ``tunnel_opened_on_connect`` says
+    whether ``connect`` returns only once the tunnel is open (SOCKS5) or at once (a redirect)."""
+
+    def __init__(self, name: str, connect: Callable[[float], socket.socket], traffic: Traffic, recorder: Recorder,
+                 seed: int, *, enter: Callable[[], None] | None = None, tunnel_opened_on_connect: bool = True):
         self.name = name
-        self.proxy = proxy
-        self.source_ip = source_ip
-        self.host = host
-        self.port = port
+        self.connect = connect
+        self.enter = enter or (lambda: None)
+        self.tunnel_opened_on_connect = tunnel_opened_on_connect
         self.traffic = traffic
         self.recorder = recorder
         self.seed = seed
         self.connections_opened = 0
         self.idle_closes = 0  # keep-alive connections the server closed between requests
+        #: requests planned at or after this (seconds since the start) are not sent
+        self.deadline = float("inf")
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -153,9 +166,10 @@ class _App:
     def _connect(self, record: RequestRecord) -> tuple[socket.socket, float]:
         started = time.monotonic()
         record.new_connection = True
-        sock = socks5_connect(self.proxy, self.source_ip, self.host, self.port, timeout=self.traffic.timeout)
+        sock = self.connect(self.traffic.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        record.tunnel_open = time.monotonic() - started
+        if self.tunnel_opened_on_connect:
+            record.tunnel_open = time.monotonic() - started
         with self._lock:
             self.connections_opened += 1
         return sock, started
@@ -202,13 +216,14 @@ class PoolingApp(_App):
         return self
 
     def _connection(self, clock: Clock, index: int) -> None:
+        self.enter()
         rng = random.Random(f"{self.seed}/{self.name}/{index}")
         maker = RequestMaker(rng, self.traffic, (index + 1) << 32)
         interval = 1.0 / self.traffic.pool_rate
         planned = rng.uniform(0, interval)  # stagger the connections
         sock: socket.socket | None = None
         try:
-            while True:
+            while planned < self.deadline:
                 if self._stop.wait(max(0.0, planned - clock())):
                     return
                 request = maker.make()
@@ -242,7 +257,7 @@ class PerRequestApp(_App):
     max_concurrent = 64
 
     def start(self, clock: Clock) -> PerRequestApp:
-        self._executor = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix=self.name)
+        self._executor = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix=self.name, initializer=self.enter)
         thread = threading.Thread(target=self._schedule, args=(clock,), name=f"{self.name}-schedule", daemon=True)
         self._threads.append(thread)
         thread.start()
@@ -252,7 +267,7 @@ class PerRequestApp(_App):
         rng = random.Random(f"{self.seed}/{self.name}")
         maker = RequestMaker(rng, self.traffic, 1 << 40)
         planned = rng.expovariate(self.traffic.request_rate)
-        while not self._stop.wait(max(0.0, planned - clock())):
+        while planned < self.deadline and not self._stop.wait(max(0.0, planned - clock())):
             request = maker.make()
             record = RequestRecord(self.name, request.request_id, planned, len(request.payload))
             self._executor.submit(self._one, clock, request, record)

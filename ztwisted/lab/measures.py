@@ -92,6 +92,24 @@ def pool_leftovers(pool: list[dict], gone_at: float | None) -> dict:
     }
 
 
+def openings_seen(pool: list[dict], start: float | None) -> dict[str, int]:
+    """Rises in node A's pooled connections per destination from ``start`` on, as the polls saw them.
+
+    A lower bound: a connection that opened and closed (or replaced another)
+    between two polls is not seen; the metric gives the exact total.
+    """
+    seen = {"b1": 0, "b2": 0}
+    if start is None:
+        return seen
+    previous = None
+    for sample in pool:
+        if previous is not None and sample["t"] >= start:
+            for which in seen:
+                seen[which] += max(0, sample[which] - previous[which])
+        previous = sample
+    return seen
+
+
 def series(records: list[RequestRecord], pool: list[dict], end: float) -> dict:
     """Requests per second succeeded and failed (by when they ended), and node A's open HBONE connections.
 
@@ -143,6 +161,7 @@ def measure(raw: dict) -> dict:
         "hbone": {
             "opened_by_a_in_window": int(opened),
             "tls_handshakes_by_a_in_window": int(opened + handshake_failures),
+            "opened_seen_by_destination": openings_seen(raw["pool"], terminating),
             "closed_in_window": {
                 "a": _ended_by(window_a, "outbound"),
                 "b": _ended_by(window_b, "inbound"),

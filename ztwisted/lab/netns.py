@@ -1,21 +1,68 @@
-"""``--mode netns``: what it needs, and a clear refusal when something is missing.
+"""Netns mode (root): every pod in its own network namespace, the proxies in in-pod mode.
 
-In netns mode each pod would live in its own network namespace joined to the
-host by a veth pair, node A and node B would run in in-pod mode
-(``twistd ztunnel --inpod``) driven by a ``ztunnel-agent`` each, and the
-teardown would delete B1's veth so its address really vanishes. The client
-pods' traffic reaches their proxy only through a redirect rule in the pod's
-namespace (iptables or nftables, as istio-cni installs), so that is needed
-too.
+Each pod namespace (``ztw<net>-<pid>-<pod>``) has one address on ``eth0``,
+the end of a veth pair whose other end is in a router namespace
+(``ztw<net>-<pid>-router``, with forwarding on) that stands in for the
+node's host network. Node A and node B run ``twistd ztunnel --inpod``, each
+driven by its own ``ztunnel-agent``, which hands them the pods' namespaces
+(Add), tells node B that B1 is terminating (ShutdownStarting) and deletes it
+(Del, whose Ack the lab times). The client pods have istio-cni's redirect
+rule, an iptables ``REDIRECT`` of their connections to the service VIP to
+their proxy's port 15001 (its own marked traffic excepted), and the apps run
+in threads that entered the pods' namespaces. The teardown deletes B1's
+veth: its address really vanishes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
-from ztwisted.lab.scenario import LabError
+import attr
+
+from ztwisted.lab.mesh import APP_PORT, SERVICE_PORT, write_mesh
+from ztwisted.lab.platform import LabError, Platform
+from ztwisted.lab.server import ServerApp
+
+CLONE_NEWNET = 0x40000000
+PACKET_MARK = 1337  # the in-pod proxy's mark on its own sockets
+ROUTER_ADDRESS = "169.254.1.1"  # the pods' gateway, on every router-side veth
+PODS = {"client-pool": ("client", "node-a"), "client-req": ("client", "node-a"), "b1": ("echo", "node-b"), "b2": ("echo", "node-b")}
+
+
+@attr.s(frozen=True)
+class NetnsAddresses:
+    """Pods in 10.<net>.0.0/16 (private to the lab's namespaces); the proxies' own ports on 127.<net>.x.y."""
+
+    net: int = attr.ib(default=91)
+
+    @property
+    def network(self) -> str:
+        return f"10.{self.net}.0.0/16"
+
+    pool_client = property(lambda self: f"10.{self.net}.2.1")
+    request_client = property(lambda self: f"10.{self.net}.2.2")
+    b1 = property(lambda self: f"10.{self.net}.3.1")
+    b2 = property(lambda self: f"10.{self.net}.3.2")
+    vip = property(lambda self: f"10.{self.net}.10.1")
+    node_a = property(lambda self: f"127.{self.net}.2.254")
+    node_b = property(lambda self: f"127.{self.net}.3.254")
+    agent_a = property(lambda self: f"127.{self.net}.2.253")
+    agent_b = property(lambda self: f"127.{self.net}.3.253")
+
+    def pod_ip(self, pod: str) -> str:
+        return {"client-pool": self.pool_client, "client-req": self.request_client, "b1": self.b1, "b2": self.b2}[pod]
 
 
 def missing_for_netns() -> list[str]:
@@ -25,14 +72,10 @@ def missing_for_netns() -> list[str]:
         missing.append("root (network namespaces and veth pairs)")
     if shutil.which("ip") is None:
         missing.append("the `ip` command (iproute2)")
-    if shutil.which("iptables") is None and shutil.which("nft") is None:
-        missing.append("iptables or nft, for the client pods' redirect to their proxy (SO_ORIGINAL_DST needs a NAT rule)")
+    if shutil.which("iptables") is None:
+        missing.append("iptables, for the client pods' redirect to their proxy (SO_ORIGINAL_DST needs a NAT rule)")
     if importlib.util.find_spec("ztwisted.inpod.agent") is None:
         missing.append("ztwisted.inpod.agent (the ZDS node agent)")
-    missing.append(
-        "the lab's netns scenario itself (pods in namespaces, agents, veth teardown): not built yet, "
-        "waiting for in-pod mode to be complete and tested end to end"
-    )
     return missing
 
 
@@ -42,4 +85,250 @@ def check_netns_mode() -> None:
         raise LabError(
             "--mode netns is not available here; missing:\n  - " + "\n  - ".join(missing)
             + "\nUse --mode loopback (the default)."
+        )
+
+
+def enter_netns(path: str) -> None:
+    """Move the calling thread into the network namespace at ``path`` (threads it starts follow)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc().setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns({path}): {os.strerror(error)}")
+    finally:
+        os.close(fd)
+
+
+def in_netns(path: str, function):
+    """Run ``function`` in a thread inside the namespace at ``path``; its result or its exception."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            enter_netns(path)
+            outcome["result"] = function()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="lab-in-netns", daemon=True)
+    thread.start()
+    thread.join(30)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def _run(*command: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise LabError(f"`{' '.join(command)}` failed: {result.stderr.strip() or result.returncode}")
+
+
+class Namespaces:
+    """The router namespace and one namespace per pod, joined by veth pairs."""
+
+    def __init__(self, addresses: NetnsAddresses):
+        self.addresses = addresses
+        self.prefix = f"ztw{addresses.net}-{os.getpid()}"
+        self.router = f"{self.prefix}-router"
+        self.made: list[str] = []
+
+    def path(self, pod: str) -> str:
+        return f"/var/run/netns/{self.prefix}-{pod}"
+
+    def create(self) -> None:
+        self._add(self.router)
+        for setting in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
+            _run("ip", "netns", "exec", self.router, "sysctl", "-qw", setting)
+        for pod in PODS:
+            self._pod(pod)
+        vip = self.addresses.vip
+        for pod in ("client-pool", "client-req"):
+            # istio-cni's job: the app's connections to the service go to its proxy's 15001.
+            _run("ip", "netns", "exec", f"{self.prefix}-{pod}", "iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp",
+                 "-d", f"{vip}/32", "-m", "mark", "!", "--mark", str(PACKET_MARK), "-j", "REDIRECT", "--to-ports", "15001")
+
+    def _add(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self.made.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _pod(self, pod: str) -> None:
+        name = f"{self.prefix}-{pod}"
+        ip = self.addresses.pod_ip(pod)
+        self._add(name)
+        outside = f"r-{pod}"
+        _run("ip", "-n", self.router, "link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", name)
+        _run("ip", "-n", self.router, "addr", "add", f"{ROUTER_ADDRESS}/32", "dev", outside)
+        _run("ip", "-n", self.router, "link", "set", outside, "up")
+        _run("ip", "-n", self.router, "route", "add", f"{ip}/32", "dev", outside)
+        _run("ip", "-n", name, "addr", "add", f"{ip}/32", "dev", "eth0")
+        _run("ip", "-n", name, "link", "set", "eth0", "up")
+        _run("ip", "-n", name, "route", "add", f"{ROUTER_ADDRESS}/32", "dev", "eth0")
+        _run("ip", "-n", name, "route", "add", "default", "via", ROUTER_ADDRESS, "dev", "eth0")
+
+    def unplug(self, pod: str) -> None:
+        """The CNI's teardown: delete the pod's veth (both ends go)."""
+        _run("ip", "-n", self.router, "link", "del", f"r-{pod}")
+
+    def destroy(self) -> None:
+        for name in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.made.clear()
+
+
+def leftover_namespaces(net: int) -> list[str]:
+    """Namespaces of lab runs (``ztw<net>-<pid>-...``) whose process is gone."""
+    try:
+        names = os.listdir("/var/run/netns")
+    except OSError:
+        return []
+    left = []
+    for name in names:
+        parts = name.split("-", 2)
+        if len(parts) == 3 and parts[0] == f"ztw{net}" and parts[1].isdigit() and not Path(f"/proc/{parts[1]}").exists():
+            left.append(name)
+    return sorted(left)
+
+
+class Agent:
+    """A ``ztunnel-agent serve`` process and its control API."""
+
+    def __init__(self, name: str, workdir: Path, control_ip: str):
+        self.name = name
+        self.socket_path = workdir / f"{name}.sock"
+        self.control = f"http://{control_ip}:15099"
+        self.log_path = workdir / f"{name}.log"
+        self.workdir = workdir
+        self.control_ip = control_ip
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ztwisted.inpod.agent", "serve", "--socket", str(self.socket_path),
+             "--control", f"tcp:15099:interface={self.control_ip}"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LabError(f"{self.name} exited with {self.process.returncode} (log: {self.log_path})")
+            try:
+                urllib.request.urlopen(f"{self.control}/status", timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise LabError(f"{self.name}'s control API did not answer within 15 s (log: {self.log_path})")
+
+    def call(self, operation: str, timeout: float = 30.0, **body) -> tuple[dict, float]:
+        """POST an operation; (the JSON answer with every proxy's Ack, seconds until it came)."""
+        request = urllib.request.Request(f"{self.control}/{operation}", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            raise LabError(f"{self.name} {operation} {body.get('uid', '')}: {e.code} {e.read().decode(errors='replace').strip()}") from None
+        except OSError as e:
+            raise LabError(f"{self.name} {operation}: {e}") from None
+        return answer, time.monotonic() - started
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+
+def _uid(pod: str) -> str:
+    return f"lab//v1/Pod/default/{pod}"
+
+
+class NetnsPlatform(Platform):
+    mode = "netns"
+
+    def __init__(self, config, workdir: Path, state_dir: Path):
+        super().__init__(config, workdir, state_dir)
+        self.addresses = NetnsAddresses(config.net)
+        self.namespaces = Namespaces(self.addresses)
+
+    def start(self, node_args: tuple[str, ...]) -> None:
+        check_netns_mode()
+        addresses = self.addresses
+        write_mesh(self.a_mesh, addresses)
+        write_mesh(self.b_mesh, addresses)
+        self.cleanup.callback(self.namespaces.destroy)
+        self.namespaces.create()
+        self.b1_app = in_netns(self.namespaces.path("b1"), ServerApp("b1", addresses.b1, APP_PORT).start)
+        self.cleanup.callback(self.b1_app.close)
+        b2 = in_netns(self.namespaces.path("b2"), ServerApp("b2", addresses.b2, APP_PORT).start)
+        self.cleanup.callback(b2.close)
+        self.agents = {}
+        for node, control_ip in (("node-a", addresses.agent_a), ("node-b", addresses.agent_b)):
+            agent = Agent(f"agent-{node[-1]}", self.workdir / "agents", control_ip)
+            agent.start()
+            self.cleanup.callback(agent.stop)
+            self.agents[node] = agent
+        self.node_b = self.node("node-b", addresses.node_b, self.b_mesh,
+                                node_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)))
+        self.node_a = self.node("node-a", addresses.node_a, self.a_mesh,
+                                node_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
+        self.start_node(self.node_b)
+        self.start_node(self.node_a)
+        for pod, (service_account, node) in PODS.items():
+            answer, _ = self.agents[node].call("add", uid=_uid(pod), name=pod, namespace="default",
+                                               service_account=service_account, netns=self.namespaces.path(pod))
+            failed = [ack for ack in answer.get("acks", []) if not ack.get("ok")]
+            if failed or not answer.get("acks"):
+                raise LabError(f"{node} did not start pod {pod}: {failed or answer}")
+
+    def client(self, pod: str) -> dict:
+        vip, path = self.addresses.vip, self.namespaces.path(pod)
+        return {
+            "connect": lambda timeout: socket.create_connection((vip, SERVICE_PORT), timeout=timeout),
+            "enter": lambda: enter_netns(path),
+            "tunnel_opened_on_connect": False,
+        }
+
+    def pod_terminating(self) -> dict:
+        answer, took = self.agents["node-b"].call("shutdown-starting", uid=_uid("b1"))
+        acks = answer.get("acks", [])
+        return {"status": 200 if acks and all(a.get("ok") for a in acks) else 500, "answered_in_s": round(took, 4)}
+
+    def delete_pod(self) -> dict:
+        answer, took = self.agents["node-b"].call("delete", uid=_uid("b1"), timeout=self.config.pod_drain_timeout + 30)
+        acks = answer.get("acks", [])
+        ok = bool(acks) and all(a.get("ok") for a in acks)
+        latencies = [a["latency_ms"] / 1000 for a in acks if a.get("latency_ms") is not None]
+        return {
+            "status": 200 if ok else 500,
+            "delete_to_ack_s": round(max(latencies), 4) if latencies else round(took, 4),
+            "acks": acks,
+        }
+
+    def teardown(self) -> tuple[str, str | None]:
+        if not self.config.teardown:
+            return "skipped", "network teardown: skipped (--no-teardown); B1's veth stays"
+        self.namespaces.unplug("b1")
+        return "veth deleted", (
+            "netns mode: a router namespace stands in for the nodes' host network, and both proxies run on "
+            "the host; the teardown deletes B1's veth for real"
         )

@@ -18,7 +18,7 @@ from ztwisted import __version__
 from ztwisted.drain.registry import installed_strategies
 from ztwisted.lab.measures import event_time, measure, series
 from ztwisted.lab.mesh import Addresses
-from ztwisted.lab.netns import check_netns_mode
+from ztwisted.lab.netns import NetnsAddresses, check_netns_mode
 from ztwisted.lab.probes import total
 from ztwisted.lab.scenario import LabConfig, LabError, Strategy, StrategyRun
 
@@ -88,7 +88,7 @@ def run_lab(config: LabConfig, progress: LabProgress | None = None, *, command: 
                 "pod_drain_timeout_s": config.pod_drain_timeout,
                 "drain_timeout_s": config.drain_timeout,
             },
-            "addresses": _addresses(Addresses(config.net)),
+            "addresses": _addresses(NetnsAddresses(config.net) if config.mode == "netns" else Addresses(config.net)),
             "machine": machine(),
             "started_at": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds"),
             "took_s": round(time.time() - started, 1),
@@ -134,7 +134,7 @@ def _during(sample: dict) -> dict:
     }
 
 
-def _addresses(addresses: Addresses) -> dict:
+def _addresses(addresses) -> dict:
     names = ("pool_client", "request_client", "b1", "b2", "vip", "node_a", "node_b")
     return {name: getattr(addresses, name) for name in names}
 

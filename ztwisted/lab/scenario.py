@@ -16,10 +16,7 @@ from the start of traffic (see :class:`Timeline`)::
 
 from __future__ import annotations
 
-import contextlib
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,16 +24,14 @@ import attr
 
 from ztwisted.harness import NodeProcess
 from ztwisted.lab.clients import Clock, PerRequestApp, PoolingApp, Recorder, Traffic
-from ztwisted.lab.mesh import APP_PORT, SERVICE_PORT, Addresses, write_mesh
+from ztwisted.lab.loopback import LoopbackPlatform
+from ztwisted.lab.mesh import write_mesh
+from ztwisted.lab.platform import LabError
 from ztwisted.lab.probes import Sampler, fetch, parse_metrics, total
-from ztwisted.lab.server import ServerApp
-from ztwisted.lab.teardown import Blackhole, TeardownUnavailable, blackhole_available
+
+__all__ = ["DEFAULT_STRATEGIES", "LabConfig", "LabError", "Strategy", "StrategyRun", "Timeline"]
 
 DEFAULT_STRATEGIES = ("immediate", "goaway-on-start", "last-mile", "client-evict", "client-evict+last-mile")
-
-
-class LabError(Exception):
-    """The lab cannot run as asked; the message says why and what to do."""
 
 
 @attr.s(frozen=True)
@@ -130,6 +125,14 @@ class Strategy:
 Progress = Callable[[str, float, int, int], None]  # phase, seconds, ok, failed
 
 
+def platform_for(config: LabConfig, workdir: Path, state_dir: Path):
+    if config.mode == "netns":
+        from ztwisted.lab.netns import NetnsPlatform
+
+        return NetnsPlatform(config, workdir, state_dir)
+    return LoopbackPlatform(config, workdir, state_dir)
+
+
 class StrategyRun:
     """Runs one strategy's scenario and returns its raw observations (see :func:`measures.measure`)."""
 
@@ -139,13 +142,10 @@ class StrategyRun:
         self.workdir = workdir
         self.state_dir = state_dir
         self.progress = progress or (lambda *args: None)
-        self.addresses = Addresses(config.net)
         self.events: list[dict] = []
         self.approximations: list[str] = []
         self.clock: Clock | None = None
         self.recorder: Recorder | None = None
-
-    # -- helpers -------------------------------------------------------------------
 
     def event(self, name: str, **details) -> float:
         t = self.clock()
@@ -160,167 +160,119 @@ class StrategyRun:
                 return
             time.sleep(min(0.25, t - now))
 
-    def _node(self, name: str, control_ip: str, config: Path) -> NodeProcess:
-        return NodeProcess(
-            self.workdir / name,
-            name=name,
-            control_ip=control_ip,
-            config=config,
-            node=name,
-            state_dir=self.state_dir,
-            extra_args=self.config.node_args(self.strategy),
-        )
-
-    # -- the run ---------------------------------------------------------------------
-
     def run(self) -> dict:
-        config, addresses, timeline = self.config, self.addresses, self.config.timeline
-        a_mesh = self.workdir / "node-a-discovery" / "mesh.yaml"
-        b_mesh = self.workdir / "node-b-discovery" / "mesh.yaml"
-        write_mesh(a_mesh, addresses)
-        write_mesh(b_mesh, addresses)
-        node_a = self._node("node-a", addresses.node_a, a_mesh)
-        node_b = self._node("node-b", addresses.node_b, b_mesh)
-        blackhole = Blackhole(addresses.b1)
-        with contextlib.ExitStack() as cleanup:
-            b1 = ServerApp("b1", addresses.b1, APP_PORT).start()
-            cleanup.callback(b1.close)
-            b2 = ServerApp("b2", addresses.b2, APP_PORT).start()
-            cleanup.callback(b2.close)
-            cleanup.callback(blackhole.remove)
-            self.progress("starting proxies", 0.0, 0, 0)
-            for node in (node_b, node_a):
-                try:
-                    node.start()
-                except RuntimeError as e:
-                    raise LabError(f"cannot start {node.name} (logs: {node.log_path}): {e}") from None
-                cleanup.callback(_stop_node, node)
-                _wait_ready(node)
+        platform = platform_for(self.config, self.workdir, self.state_dir)
+        try:
+            return self._run(platform)
+        finally:
+            platform.close()
 
-            self.clock = clock = Clock()
-            self.recorder = recorder = Recorder(clock)
-            sampler = Sampler(clock, node_a, node_b, b1_ip=addresses.b1, b2_ip=addresses.b2).start()
-            cleanup.callback(sampler.stop)
-            start_scrape = sampler.scrape()
-            apps = [
-                PoolingApp("client-pool", node_a.socks5, addresses.pool_client, addresses.vip, SERVICE_PORT,
-                           config.traffic, recorder, config.seed),
-                PerRequestApp("client-req", node_a.socks5, addresses.request_client, addresses.vip, SERVICE_PORT,
-                              config.traffic, recorder, config.seed),
-            ]
-            for app in apps:
-                app.start(clock)
-                cleanup.callback(app.stop)
-            self.event("traffic-start")
+    def _run(self, platform) -> dict:
+        config, timeline = self.config, self.config.timeline
+        self.progress("starting proxies and pods", 0.0, 0, 0)
+        platform.start(config.node_args(self.strategy))
+        addresses = platform.addresses
+        cleanup = platform.cleanup
+        self.clock = clock = Clock()
+        self.recorder = recorder = Recorder(clock)
+        sampler = Sampler(clock, platform.node_a, platform.node_b, b1_ip=addresses.b1, b2_ip=addresses.b2).start()
+        cleanup.callback(sampler.stop)
+        start_scrape = sampler.scrape()
+        apps = [
+            PoolingApp("client-pool", traffic=config.traffic, recorder=recorder, seed=config.seed,
+                       **platform.client("client-pool")),
+            PerRequestApp("client-req", traffic=config.traffic, recorder=recorder, seed=config.seed,
+                          **platform.client("client-req")),
+        ]
+        for app in apps:
+            app.start(clock)
+            cleanup.callback(app.stop)
+        self.event("traffic-start")
 
-            self.wait_until(timeline.warmup, "warm-up")
-            before = sampler.scrape()
-            status, took = _admin(node_b, "POST", "/workloads/b1/terminating", timeout=30)
-            terminating = self.event("terminating", answered_in_s=round(took, 4), status=status)
-            if timeline.unready_after is not None:
-                self.wait_until(terminating + timeline.unready_after, "terminating (B1 still an endpoint)")
-                self._discovery(node_a, [(a_mesh, "unready")], "unready")
-            self.wait_until(terminating + timeline.grace, "terminating (grace period)")
-            self.event("app-exit")
-            exit_report = b1.exit()
-            app_exited = self.event("app-exited", **exit_report)
-            self.wait_until(app_exited + timeline.teardown_after_exit, "app exited")
-            if self.strategy.delete_before_teardown:
-                ack = self._delete(node_b)
-                self._teardown(blackhole)
-            else:
-                self._teardown(blackhole)
-                ack = self._delete(node_b)
-            pod_gone = self.clock()
-            self.wait_until(pod_gone + timeline.removal_after, "pod deleted")
-            removed = self._discovery(node_a, [(a_mesh, "gone"), (b_mesh, "gone")], "removed")
-            self.wait_until(removed + timeline.observe, "observing")
+        # Events happen at planned times (from the start of traffic), so every strategy sends the same
+        # schedule for the same time; a step that overruns (a slow Ack) pushes the rest back.
+        planned = timeline.warmup
+        self.wait_until(planned, "warm-up")
+        before = sampler.scrape()
+        self.event("terminating", **platform.pod_terminating())
+        if timeline.unready_after is not None:
+            self.wait_until(planned + timeline.unready_after, "terminating (B1 still an endpoint)")
+            self._discovery(platform, [(platform.a_mesh, "unready")], "unready")
+        planned += timeline.grace
+        self.wait_until(planned, "terminating (grace period)")
+        self.event("app-exit")
+        exit_report = platform.b1_app.exit()
+        self.event("app-exited", **exit_report)
+        planned += timeline.teardown_after_exit
+        self.wait_until(planned, "app exited")
+        if self.strategy.delete_before_teardown:
+            ack = self._delete(platform)
+            self._teardown(platform)
+        else:
+            self._teardown(platform)
+            ack = self._delete(platform)
+        planned = max(planned + timeline.removal_after, self.clock())
+        self.wait_until(planned, "pod deleted")
+        self._discovery(platform, [(platform.a_mesh, "gone"), (platform.b_mesh, "gone")], "removed")
+        planned += timeline.observe
+        for app in apps:
+            app.deadline = planned  # the same schedule, whenever this thread gets to stop them
+        self.wait_until(planned, "observing")
 
-            self.event("traffic-stop")
-            self.progress("stopping apps", self.clock(), recorder.ok, recorder.failed)
-            for app in apps:
-                app.stop()
-            after = sampler.scrape()
-            sampler.stop()
-            self.event("done")
-            return {
-                "strategy": self.strategy.name,
-                "components": list(self.strategy.components),
-                "delete_before_teardown": self.strategy.delete_before_teardown,
-                "events": self.events,
-                "records": recorder.records,
-                "pool": sampler.pool,
-                "metrics": sampler.metrics,
-                "scrapes": {"start": start_scrape, "before": before, "after": after},
-                "ack": ack,
-                "b1_exit": exit_report,
-                "apps": {
-                    app.name: {"connections_opened": app.connections_opened, "idle_closes": app.idle_closes}
-                    for app in apps
-                },
-                "approximations": self.approximations,
-                "sampler_errors": sampler.errors,
-                "logs": {"node-a": str(node_a.log_path), "node-b": str(node_b.log_path)},
-            }
+        self.event("traffic-stop")
+        self.progress("stopping apps", self.clock(), recorder.ok, recorder.failed)
+        for app in apps:
+            app.stop()
+        after = sampler.scrape()
+        sampler.stop()
+        self.event("done")
+        return {
+            "strategy": self.strategy.name,
+            "components": list(self.strategy.components),
+            "delete_before_teardown": self.strategy.delete_before_teardown,
+            "mode": platform.mode,
+            "events": self.events,
+            "records": recorder.records,
+            "pool": sampler.pool,
+            "metrics": sampler.metrics,
+            "scrapes": {"start": start_scrape, "before": before, "after": after},
+            "ack": ack,
+            "b1_exit": exit_report,
+            "apps": {
+                app.name: {"connections_opened": app.connections_opened, "idle_closes": app.idle_closes}
+                for app in apps
+            },
+            "approximations": self.approximations,
+            "sampler_errors": sampler.errors,
+            "logs": {"node-a": str(platform.node_a.log_path), "node-b": str(platform.node_b.log_path)},
+        }
 
-    def _discovery(self, node: NodeProcess, changes: list[tuple[Path, str]], name: str) -> float:
+    def _discovery(self, platform, changes: list[tuple[Path, str]], name: str) -> None:
         """Edit the nodes' config files; the event's time is the edit, ``applied_in_s`` when node A reloaded."""
-        reloads = _reloads(node)
+        reloads = _reloads(platform.node_a)
         for path, b1 in changes:
-            write_mesh(path, self.addresses, b1=b1)
+            write_mesh(path, platform.addresses, b1=b1)
         t = self.event(name)
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
-            if _reloads(node) > reloads:
+            if _reloads(platform.node_a) > reloads:
                 self.events[-1]["applied_in_s"] = round(self.clock() - t, 4)
                 break
             time.sleep(0.02)
         else:
             self.events[-1]["applied_in_s"] = None
-        return t
 
-    def _delete(self, node_b: NodeProcess) -> dict:
+    def _delete(self, platform) -> dict:
         self.event("delete")
-        status, took = _admin(node_b, "DELETE", "/workloads/b1", timeout=self.config.pod_drain_timeout + 30)
-        self.event("ack", status=status, took_s=round(took, 4))
-        return {"status": status, "delete_to_ack_s": round(took, 4)}
+        ack = platform.delete_pod()
+        self.event("ack", **ack)
+        return ack
 
-    def _teardown(self, blackhole: Blackhole) -> None:
-        if not self.config.teardown:
-            self.approximations.append("network teardown: skipped (--no-teardown); B1's address stays reachable")
-            self.event("teardown", approximated="skipped")
-            return
-        why = blackhole_available()
-        if why is None:
-            try:
-                blackhole.add()
-            except TeardownUnavailable as e:
-                why = str(e)
-        if why is None:
-            self.approximations.append(
-                f"network teardown: blackhole route for {blackhole.ip}/32 in the local table (packets to and from B1 "
-                "dropped, established connections included; a new connect() fails at once with EINVAL instead of "
-                "timing out; node B's listeners on B1's address stay open until the pod is deleted)"
-            )
-            self.event("teardown", approximated="blackhole route")
-        else:
-            self.approximations.append(f"network teardown: NOT approximated ({why}); B1's address stays reachable")
-            self.event("teardown", approximated=f"not ({why})")
-
-
-def _admin(node: NodeProcess, method: str, path: str, timeout: float) -> tuple[int, float]:
-    """Status and seconds until the answer of an admin request (the answer comes when the event completes)."""
-    request = urllib.request.Request(f"http://{node.control_ip}:15000{path}", method=method)
-    started = time.monotonic()
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            response.read()
-            status = response.status
-    except urllib.error.HTTPError as e:
-        status = e.code
-    except OSError as e:
-        raise LabError(f"{method} {path} on {node.name} failed: {e}") from None
-    return status, time.monotonic() - started
+    def _teardown(self, platform) -> None:
+        done, approximation = platform.teardown()
+        if approximation:
+            self.approximations.append(approximation)
+        self.event("teardown", done=done)
 
 
 def _reloads(node: NodeProcess) -> float:
@@ -328,22 +280,3 @@ def _reloads(node: NodeProcess) -> float:
         return total(parse_metrics(fetch(f"http://{node.control_ip}:15020/metrics").decode()), "ztwisted_config_reloads_total")
     except OSError:
         return 0.0
-
-
-def _wait_ready(node: NodeProcess, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if node.http("readiness", "/healthz/ready")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise LabError(f"{node.name} not ready within {timeout} s (logs: {node.log_path}):\n{node.log_tail()}")
-
-
-def _stop_node(node: NodeProcess) -> None:
-    try:
-        node.stop(timeout=15)
-    except RuntimeError:
-        node.kill()

@@ -44,6 +44,8 @@ def _rfc3339(timestamp: float | None) -> str:
 
 
 def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):

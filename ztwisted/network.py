@@ -14,7 +14,7 @@ import socket
 
 from twisted.internet import defer
 
-from ztwisted.sockets import allow_accept_queue_migration, connect_tcp, listen_tcp
+from ztwisted.sockets import allow_accept_queue_migration, client_socket, connect_socket, listen_tcp
 
 
 class HostNetwork:
@@ -30,11 +30,12 @@ class HostNetwork:
         return defer.maybeDeferred(listen_tcp, self.reactor, ip, port, factory, mark=self.mark)
 
     def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
-        if self.mark is None:
-            return connect_tcp(self.reactor, ip, port, factory, source_ip=source_ip, timeout=timeout)
-        return defer.maybeDeferred(_marked_socket, ip, source_ip, self.mark).addCallback(
-            lambda sock: _connect_socket(self.reactor, sock, ip, port, factory, timeout)
-        )
+        """Connect; fires with the protocol ``factory`` built."""
+        try:
+            sock = client_socket(ip, source_ip=source_ip, mark=self.mark)
+        except OSError as e:
+            return defer.fail(e)
+        return connect_socket(self.reactor, sock, (ip, port), factory, timeout=timeout)
 
 
 class PodNetwork:
@@ -67,27 +68,7 @@ class PodNetwork:
         from ztwisted.inpod.netns import connecting_socket_in
 
         created = connecting_socket_in(self.netns, ip, source_ip=source_ip, mark=self.mark, reactor=self.reactor)
-        return created.addCallback(lambda sock: _connect_socket(self.reactor, sock, ip, port, factory, timeout))
+        return created.addCallback(lambda sock: connect_socket(self.reactor, sock, (ip, port), factory, timeout=timeout))
 
     def close(self) -> None:
         self.netns.close()
-
-
-def _marked_socket(ip: str, source_ip: str | None, mark: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
-        if source_ip is not None:
-            sock.bind((source_ip, 0))
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _connect_socket(reactor, sock, ip, port, factory, timeout):
-    from ztwisted.inpod.netns import connect_socket
-
-    return connect_socket(reactor, sock, (ip, port), factory, timeout=timeout)

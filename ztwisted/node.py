@@ -139,6 +139,7 @@ class Node(service.MultiService):
         self.listeners: dict[str, WorkloadListeners] = {}
         self.coordinator = DrainCoordinator(strategies, DrainFacade(self), metrics, reactor)
         self._removed_uids: set[str] = set()
+        self._local_by_ip: dict | None = None
         self._pending: set[str] = {"listeners"}
         #: callables returning what else readiness waits for (e.g. the node agent's snapshot)
         self.readiness_checks: list = []
@@ -248,10 +249,13 @@ class Node(service.MultiService):
         return self._networks.get(workload.uid, self.host_network)
 
     def local_workload_by_ip(self, ip):
-        workload = self.mesh.workload_by_ip(ip)
-        if workload is None or workload.uid not in {w.uid for w in self.local_workloads()}:
-            return None
-        return workload
+        """The local workload with address ``ip`` (a string), if any; looked up per connection."""
+        if self._local_by_ip is None:
+            self._local_by_ip = {str(address): w for w in self.local_workloads() for address in w.workload_ips}
+        return self._local_by_ip.get(str(ip))
+
+    def _local_workloads_changed(self) -> None:
+        self._local_by_ip = None
 
     def local_workload(self, uid_or_name: str):
         """A local workload by uid, or by ``name`` / ``namespace/name``."""
@@ -266,10 +270,12 @@ class Node(service.MultiService):
     def start_pod(self, workload, network) -> defer.Deferred:
         """In-pod mode: serve a pod the node agent added, with listeners in its network namespace."""
         self._pods[workload.uid] = workload
+        self._local_workloads_changed()
         self._networks[workload.uid] = network
 
         def failed(failure):
             self._pods.pop(workload.uid, None)
+            self._local_workloads_changed()
             self._networks.pop(workload.uid, None)
             return failure
 
@@ -282,6 +288,7 @@ class Node(service.MultiService):
         """
         if forget:
             self._removed_uids.add(workload.uid)
+            self._local_workloads_changed()
         removing = self.coordinator.pod_removed(workload)
         # The node agent waits for this; a strategy gets pod_drain_timeout (its own deadline acts first).
         removing.addTimeout(self.pod_drain_timeout + POD_DRAIN_GRACE, self.reactor)
@@ -300,6 +307,7 @@ class Node(service.MultiService):
             closing.append(drain_all(from_pod, graceful=False, deadline=None))
         done = defer.DeferredList(closing)
         if forget and self._pods.pop(workload.uid, None) is not None:
+            self._local_workloads_changed()
             network = self._networks.pop(workload.uid, None)
             done.addBoth(lambda result: (network.close(), result)[1])
         return done
@@ -310,6 +318,7 @@ class Node(service.MultiService):
         changes = diff(self.mesh, mesh)
         self.mesh = mesh
         self._removed_uids &= {w.uid for w in mesh.workloads}
+        self._local_workloads_changed()
         if not self.running:
             return
         if self.inpod:

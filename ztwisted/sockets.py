@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import os
 import socket
 import struct
+from typing import Any
 
 from twisted.application import strports
 from twisted.application.service import Service
 from twisted.internet import defer
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.protocol import Factory
+from twisted.python.failure import Failure
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same number
 
@@ -61,12 +65,147 @@ def original_destination(transport) -> tuple[str, int] | None:
     return socket.inet_ntoa(raw[4:8]), port
 
 
-def connect_tcp(reactor, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
-    """Connect to ``ip:port``, leaving from ``source_ip`` when given (keeps the workload's address)."""
-    version = ipaddress.ip_address(ip).version
-    endpoint_type = TCP6ClientEndpoint if version == 6 else TCP4ClientEndpoint
-    bind = (source_ip, 0) if source_ip is not None else None
-    return endpoint_type(reactor, ip, port, timeout=timeout, bindAddress=bind).connect(factory)
+class _OneProtocolFactory(Factory):
+    noisy = False  # one per proxied connection: "Starting factory" lines would drown the log
+
+    def __init__(self, protocol):
+        self._protocol = protocol
+
+    def buildProtocol(self, addr):
+        return self._protocol
+
+
+def factory_for(protocol) -> Factory:
+    """A quiet factory for a connection whose protocol object already exists."""
+    return _OneProtocolFactory(protocol)
+
+
+IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
+
+
+def client_socket(ip: str, *, source_ip: str | None = None, source_port: int = 0, mark: int | None = None) -> socket.socket:
+    """A non-blocking TCP socket for reaching ``ip``, bound to ``source_ip`` and marked if asked.
+
+    With a source address but no port, the port is chosen at connect time
+    (IP_BIND_ADDRESS_NO_PORT), so many connections from one workload address
+    do not make every bind search the port space.
+    """
+    family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        if mark is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        if source_ip is not None:
+            if not source_port:
+                sock.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+            sock.bind((source_ip, source_port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class _ConnectWaiter:
+    """Waits (on the reactor) for a non-blocking connect to finish."""
+
+    def __init__(self, reactor: Any, sock: socket.socket, address: tuple[str, int], timeout: float) -> None:
+        self.reactor = reactor
+        self.sock = sock
+        self.address = address
+        self.result: defer.Deferred[None] = defer.Deferred(self._cancel)
+        self._timer = reactor.callLater(timeout, self._timed_out, timeout)
+        reactor.addWriter(self)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def logPrefix(self) -> str:
+        return "connect"
+
+    def doWrite(self) -> None:
+        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            self._finish(OSError(err, f"connect to {self._where()} failed: {os.strerror(err)}"))
+        else:
+            self._finish(None)
+
+    def connectionLost(self, reason: Failure) -> None:
+        # The reactor reports a failed connect as a hang-up: the real cause is in SO_ERROR.
+        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            self._finish(OSError(err, f"connect to {self._where()} failed: {os.strerror(err)}"))
+        else:
+            self._finish(OSError(errno.ECONNABORTED, f"connect to {self._where()} failed: {reason.getErrorMessage()}"))
+
+    def _where(self) -> str:
+        host, port = self.address[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _timed_out(self, timeout: float) -> None:
+        self._timer = None
+        self._finish(TimeoutError(f"connect to {self._where()} timed out after {timeout:g} s"))
+
+    def _cancel(self, _: defer.Deferred) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        self.reactor.removeWriter(self)
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+
+    def _finish(self, error: Exception | None) -> None:
+        if self.result.called:
+            return
+        self._stop()
+        if error is None:
+            self.result.callback(None)
+        else:
+            self.result.errback(Failure(error))
+
+
+class _CapturingFactory:
+    """Remembers the protocol built for an adopted connection (adoptStreamConnection returns nothing)."""
+
+    def __init__(self, factory: Any) -> None:
+        self.factory = factory
+        self.protocol: Any = None
+
+    def buildProtocol(self, addr: Any) -> Any:
+        self.protocol = self.factory.buildProtocol(addr)
+        return self.protocol
+
+
+def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], factory: Any,
+                   *, timeout: float = 10.0) -> defer.Deferred[Any]:
+    """Connect a non-blocking ``sock`` without blocking, then adopt it: fires with the protocol.
+
+    ``sock`` is closed in every case (the reactor holds its own duplicate).
+    """
+    try:
+        code = sock.connect_ex(address)
+    except OSError as exc:
+        sock.close()
+        return defer.fail(exc)
+    if code not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
+        sock.close()
+        return defer.fail(OSError(code, f"connect to {address[0]}:{address[1]} failed: {os.strerror(code)}"))
+    waiter = _ConnectWaiter(reactor, sock, address, timeout)
+    capture = _CapturingFactory(factory)
+
+    def adopt(_: None) -> Any:
+        reactor.adoptStreamConnection(sock.fileno(), sock.family, capture)
+        if capture.protocol is None:
+            raise RuntimeError(f"{factory!r} built no protocol for the connection to {address[0]}:{address[1]}")
+        return capture.protocol
+
+    def close_socket(result: Any) -> Any:
+        sock.close()
+        return result
+
+    return waiter.result.addCallback(adopt).addBoth(close_socket)
+
 
 
 class ReusePortService(Service):

@@ -12,7 +12,7 @@ from ztwisted.authz import authorize
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
-from ztwisted.sockets import original_destination
+from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ServerTLS, peer_identity
 
@@ -138,7 +138,7 @@ class InboundHBONE:
             stream.refuse(401)
             return
         app = TCPEnd()
-        connecting = self.network.connect(ip, port, Factory.forProtocol(lambda: app), timeout=self.node.connect_timeout)
+        connecting = self.network.connect(ip, port, factory_for(app), timeout=self.node.connect_timeout)
 
         def connected(_):
             if stream.done:
@@ -230,7 +230,7 @@ class _PlaintextInbound(TCPEnd):
             record.refused("CONNECT", failure.getErrorMessage())
             self.abort()
 
-        self.inbound.network.connect(ip, port, Factory.forProtocol(lambda: upstream), timeout=node.connect_timeout).addCallbacks(
+        self.inbound.network.connect(ip, port, factory_for(upstream), timeout=node.connect_timeout).addCallbacks(
             connected, failed
         )
         super().connectionMade()

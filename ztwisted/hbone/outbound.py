@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 
 from twisted.internet import defer, error
@@ -14,7 +15,7 @@ from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory, Socks5Protocol
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
-from ztwisted.sockets import original_destination
+from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ClientTLS, peer_identity
 
@@ -101,7 +102,7 @@ class Outbound:
                 await node.network_of(source_workload).connect(
                     str(destination.ip),
                     destination.port,
-                    Factory.forProtocol(lambda: upstream),
+                    factory_for(upstream),
                     source_ip=source_ip,
                     timeout=node.connect_timeout,
                 )
@@ -148,7 +149,8 @@ class Outbound:
             settings=node.client_h2_settings,
             get_peer_identity=peer_identity,
         )
-        factory = TLSMemoryBIOFactory(creator, True, Factory.forProtocol(lambda: connection))
+        factory = TLSMemoryBIOFactory(creator, True, factory_for(connection))
+        factory.noisy = False
         ip, port = key.destination
         source = node.local_workload_by_ip(key.source_ip)
         network = node.network_of(source) if source is not None else node.host_network
@@ -183,9 +185,13 @@ def _as_refusal(e: Exception) -> Exception:
     if isinstance(e, TunnelRefused):
         reply = Reply.NOT_ALLOWED if e.status in (401, 403) else Reply.CONNECTION_REFUSED
         return Socks5Error(reply, str(e))
-    if isinstance(e, error.ConnectionRefusedError):
+    if isinstance(e, error.ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED:
         return Socks5Error(Reply.CONNECTION_REFUSED, str(e))
-    if isinstance(e, (error.TimeoutError, defer.TimeoutError, error.NoRouteError)):
+    if getattr(e, "errno", None) == errno.ENETUNREACH:
+        return Socks5Error(Reply.NETWORK_UNREACHABLE, str(e))
+    if isinstance(e, (error.TimeoutError, defer.TimeoutError, error.NoRouteError, TimeoutError)) or getattr(
+        e, "errno", None
+    ) in (errno.EHOSTUNREACH, errno.ETIMEDOUT):
         return Socks5Error(Reply.HOST_UNREACHABLE, str(e))
     if isinstance(e, (TunnelError, ConnectionGone)):
         return Socks5Error(Reply.GENERAL_FAILURE, str(e))

@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import ipaddress
 import os
 import socket
 import threading
@@ -213,21 +212,6 @@ def listening_socket_in(
     )
 
 
-def _connecting_socket(ip: str, source_ip: str | None, source_port: int, mark: int | None) -> socket.socket:
-    family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        if mark is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
-        if source_ip is not None:
-            sock.bind((source_ip, source_port))
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def connecting_socket_in(
     netns: Netns, ip: str, *, source_ip: str | None = None, source_port: int = 0,
     mark: int | None = None, reactor: Any = None,
@@ -236,105 +220,8 @@ def connecting_socket_in(
 
     ``ip`` only picks the address family; connect with :func:`connect_socket`.
     """
-    return run_in_netns(netns, lambda: _connecting_socket(ip, source_ip, source_port, mark), reactor=reactor)
+    return run_in_netns(netns, lambda: sockets.client_socket(ip, source_ip=source_ip, source_port=source_port, mark=mark), reactor=reactor)
 
 
-class _ConnectWaiter:
-    """Waits (on the reactor) for a non-blocking connect to finish."""
-
-    def __init__(self, reactor: Any, sock: socket.socket, address: tuple[str, int], timeout: float) -> None:
-        self.reactor = reactor
-        self.sock = sock
-        self.address = address
-        self.result: defer.Deferred[None] = defer.Deferred(self._cancel)
-        self._timer = reactor.callLater(timeout, self._timed_out, timeout)
-        reactor.addWriter(self)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def logPrefix(self) -> str:
-        return "connect"
-
-    def doWrite(self) -> None:
-        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            self._finish(OSError(err, f"connect to {self._where()} failed: {os.strerror(err)}"))
-        else:
-            self._finish(None)
-
-    def connectionLost(self, reason: Failure) -> None:
-        # The reactor reports a failed connect as a hang-up: the real cause is in SO_ERROR.
-        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            self._finish(OSError(err, f"connect to {self._where()} failed: {os.strerror(err)}"))
-        else:
-            self._finish(OSError(errno.ECONNABORTED, f"connect to {self._where()} failed: {reason.getErrorMessage()}"))
-
-    def _where(self) -> str:
-        host, port = self.address[:2]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-    def _timed_out(self, timeout: float) -> None:
-        self._timer = None
-        self._finish(TimeoutError(f"connect to {self._where()} timed out after {timeout:g} s"))
-
-    def _cancel(self, _: defer.Deferred) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
-        self.reactor.removeWriter(self)
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-
-    def _finish(self, error: Exception | None) -> None:
-        if self.result.called:
-            return
-        self._stop()
-        if error is None:
-            self.result.callback(None)
-        else:
-            self.result.errback(Failure(error))
-
-
-class _CapturingFactory:
-    """Remembers the protocol built for an adopted connection (adoptStreamConnection returns nothing)."""
-
-    def __init__(self, factory: Any) -> None:
-        self.factory = factory
-        self.protocol: Any = None
-
-    def buildProtocol(self, addr: Any) -> Any:
-        self.protocol = self.factory.buildProtocol(addr)
-        return self.protocol
-
-
-def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], factory: Any,
-                   *, timeout: float = 10.0) -> defer.Deferred[Any]:
-    """Connect a non-blocking ``sock`` without blocking, then adopt it: fires with the protocol.
-
-    ``sock`` is closed in every case (the reactor holds its own duplicate).
-    """
-    try:
-        code = sock.connect_ex(address)
-    except OSError as exc:
-        sock.close()
-        return defer.fail(exc)
-    if code not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
-        sock.close()
-        return defer.fail(OSError(code, f"connect to {address[0]}:{address[1]} failed: {os.strerror(code)}"))
-    waiter = _ConnectWaiter(reactor, sock, address, timeout)
-    capture = _CapturingFactory(factory)
-
-    def adopt(_: None) -> Any:
-        reactor.adoptStreamConnection(sock.fileno(), sock.family, capture)
-        if capture.protocol is None:
-            raise RuntimeError(f"{factory!r} built no protocol for the connection to {address[0]}:{address[1]}")
-        return capture.protocol
-
-    def close_socket(result: Any) -> Any:
-        sock.close()
-        return result
-
-    return waiter.result.addCallback(adopt).addBoth(close_socket)
+# Kept importable from here for callers that connect sockets made in a namespace.
+connect_socket = sockets.connect_socket

@@ -264,3 +264,48 @@ def test_tcp_end_forwards_reset_only_when_unclean(clean):
 
     end.connectionLost(Failure(error.ConnectionDone()))
     assert far.aborted is (not clean)
+
+
+class ClosingTransport(StringTransport):
+    """Records how the connection asked to be closed; the peer never answers close_notify."""
+
+    aborted = False
+
+    def abortConnection(self):
+        self.aborted = True
+
+    def unregisterProducer(self):
+        self.producer = None
+
+
+def drained_client(clock):
+    conn = HBONEConnection(client=True, clock=clock)
+    transport = ClosingTransport()
+    conn.makeConnection(transport)
+    conn.handshakeCompleted()
+    gone = conn.drain(graceful=True)
+    return conn, transport, gone
+
+
+def test_graceful_close_gives_up_on_a_silent_peer_after_close_notify_wait():
+    clock = task.Clock()
+    conn, transport, _ = drained_client(clock)
+    assert transport.disconnecting and not transport.aborted
+    clock.advance(conn.settings.close_notify_wait - 0.01)
+    assert not transport.aborted
+    clock.advance(0.02)
+    assert transport.aborted
+    assert conn.ended_by == "drained"
+
+
+def test_keepalive_abort_during_the_close_notify_wait_says_so():
+    clock = task.Clock()
+    conn = HBONEConnection(client=True, clock=clock, settings=H2Settings.client(close_notify_wait=60.0))
+    transport = ClosingTransport()
+    conn.makeConnection(transport)
+    conn.handshakeCompleted()
+    conn.drain(graceful=True)
+    clock.advance(conn.settings.keepalive_interval)
+    clock.advance(conn.settings.keepalive_timeout + 0.1)
+    assert transport.aborted
+    assert conn.ended_by == "keepalive-timeout"

@@ -67,6 +67,8 @@ class H2Settings:
     keepalive_timeout: float = attr.ib(default=20.0)
     #: how long a graceful close waits for the PING that follows the first GOAWAY
     goaway_ping_wait: float = attr.ib(default=1.0)
+    #: after sending close_notify, how long to wait for the peer's before closing TCP anyway
+    close_notify_wait: float = attr.ib(default=1.0)
     #: a TLS handshake that has not completed by then is aborted
     handshake_timeout: float = attr.ib(default=10.0)
     #: a server connection that opens no stream for this long is closed
@@ -360,6 +362,7 @@ class HBONEConnection(Protocol):
         self._aborted = False
         self._handshake_timer = None
         self._idle_timer = None
+        self._close_notify_timer = None
         self._unread_control_bytes = 0
         self._reset_window_start = 0.0
         self._resets_in_window = 0
@@ -428,6 +431,7 @@ class HBONEConnection(Protocol):
             self._ping_wait_timer,
             self._handshake_timer,
             self._idle_timer,
+            self._close_notify_timer,
         ):
             _cancel(timer)
         if not self.ready.called:
@@ -519,9 +523,15 @@ class HBONEConnection(Protocol):
         self._drain_timer = self.clock.callLater(seconds, self._drain_deadline)
 
     def abort_connection(self, ended_by: str) -> None:
-        """Close without close_notify; every stream is reset. ``ended_by``: one of :data:`ENDINGS`."""
-        if self.ended_by is None:
+        """Close without close_notify; every stream is reset. ``ended_by``: one of :data:`ENDINGS`.
+
+        It overrides the ending of a graceful close still waiting for the peer's close_notify.
+        """
+        if not self._aborted:
             self.ended_by = ended_by
+        self._abort()
+
+    def _abort(self) -> None:
         self._closing = True
         if self._connected and not self._aborted:
             self._aborted = True
@@ -562,6 +572,9 @@ class HBONEConnection(Protocol):
         # TLSMemoryBIOProtocol sends close_notify only once no producer is registered.
         self.transport.unregisterProducer()
         self.transport.loseConnection()
+        # It then waits for the peer's close_notify before closing TCP; a peer that is
+        # gone would keep the connection until keepalive noticed.
+        self._close_notify_timer = self.clock.callLater(self.settings.close_notify_wait, self._abort)
 
     def _send_goaway(self, last_stream_id: int, error_code: int = 0) -> None:
         self._flush_h2()

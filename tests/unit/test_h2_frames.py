@@ -32,6 +32,8 @@ from twisted.python.failure import Failure
 from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused
 from ztwisted.h2.goaway import CLIENT_PREFACE, MAX_STREAM_ID, encode_goaway
 
+from .h2_support import accept_and_record, couple, parse_frames
+
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR
 REFUSED_STREAM = h2.errors.ErrorCodes.REFUSED_STREAM
@@ -72,21 +74,6 @@ class FakeTLSTransport(StringTransport):
         return "loseConnection" in self.calls and "abortConnection" not in self.calls
 
 
-def parse_frames(data: bytes) -> list[Frame]:
-    if data.startswith(CLIENT_PREFACE):
-        data = data[len(CLIENT_PREFACE) :]
-    frames = []
-    view = memoryview(data)
-    while view:
-        assert len(view) >= 9, "a partial frame header was written"
-        frame, length = Frame.parse_frame_header(view[:9])
-        assert len(view) >= 9 + length, "a partial frame was written"
-        frame.parse_body(view[9 : 9 + length])
-        frames.append(frame)
-        view = view[9 + length :]
-    return frames
-
-
 def describe(frame: Frame) -> tuple:
     """A frame as a short tuple, for exact comparisons."""
     if isinstance(frame, GoAwayFrame):
@@ -110,54 +97,10 @@ def kinds(frames: list[Frame]) -> list[tuple]:
     return [describe(f) for f in frames]
 
 
-class RecordingEnd:
-    """The far side of a stream (the app's TCP connection): records what it gets."""
-
-    def __init__(self):
-        self.data = b""
-        self.eof = False
-        self.aborted = False
-        self.paused = False
-
-    def set_partner(self, partner):
-        self.partner = partner
-
-    def write(self, data):
-        self.data += data
-
-    def write_eof(self):
-        self.eof = True
-
-    def abort(self):
-        self.aborted = True
-
-    def pauseProducing(self):
-        self.paused = True
-
-    def resumeProducing(self):
-        self.paused = False
-
-    def stopProducing(self):
-        pass
-
-
-def couple(stream) -> RecordingEnd:
-    far = RecordingEnd()
-    stream.set_partner(far)
-    far.set_partner(stream)
-    stream.far = far
-    return far
-
-
-def accept(stream) -> None:
-    stream.accept()
-    couple(stream)
-
-
 class Link:
     """Our HBONEConnection on a fake transport, with an ``h2`` peer we drive by hand."""
 
-    def __init__(self, *, client: bool, settings: H2Settings | None = None, handler=accept, handshake: bool = True):
+    def __init__(self, *, client: bool, settings: H2Settings | None = None, handler=accept_and_record, handshake: bool = True):
         self.clock = task.Clock()
         self.requests = []
         self.limits: list[str] = []
@@ -367,7 +310,7 @@ def test_drain_deadline_cancels_remaining_streams_then_closes():
     assert kinds(link.from_ours()) == [("RST_STREAM", one, CANCEL), ("RST_STREAM", three, CANCEL)]
     assert "loseConnection" in link.transport.calls and "abortConnection" not in link.transport.calls
     assert link.conn.ended_by == "drain-deadline"
-    assert one_ours.finished.result == "reset" and three_ours.finished.result == "reset"
+    assert one_ours.finished.result == "drain-deadline" and three_ours.finished.result == "drain-deadline"
     assert not drained.called
     link.lose()
     assert drained.result == "drain-deadline"

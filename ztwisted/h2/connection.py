@@ -208,14 +208,14 @@ class Stream:
         """Answer an error status and end the stream."""
         self.connection._respond(self, status, end_stream=True)
 
-    def reset(self, code: int = h2.errors.ErrorCodes.CANCEL) -> None:
+    def reset(self, code: int = h2.errors.ErrorCodes.CANCEL, outcome: str = "reset") -> None:
         """Send RST_STREAM, reset the partner too, and forget the stream."""
         if self._done:
             return
         self.connection._reset_stream(self, code)
         if self.partner is not None:
             self.partner.abort()
-        self._finish("reset")
+        self._finish(outcome)
 
     # -- what the connection tells us ---------------------------------------
 
@@ -256,7 +256,8 @@ class Stream:
             self.response.errback(ConnectionGone(f"HTTP/2 connection lost before the tunnel opened: {reason.getErrorMessage()}"))
         if self.partner is not None:
             self.partner.abort()
-        self._finish("connection lost")
+        # How the HBONE connection ended says how this tunnel did (abrupt, keepalive-timeout, ...).
+        self._finish(self.connection.ended_by or "connection lost")
 
     def _flush(self, h2conn: h2.connection.H2Connection) -> None:
         """Send buffered data as far as the windows allow; called by the connection."""
@@ -555,7 +556,7 @@ class HBONEConnection(Protocol):
             if self.ended_by is None:
                 self.ended_by = "drain-deadline"
             for stream in list(self.streams.values()):
-                stream.reset(h2.errors.ErrorCodes.CANCEL)
+                stream.reset(h2.errors.ErrorCodes.CANCEL, outcome="drain-deadline")
             self._close_with_close_notify()
 
     def _close_when_idle(self) -> None:

@@ -36,14 +36,20 @@ class ConnectionRecord:
             # Istio's convention: "received" is what the client sent, "sent" what it got back.
             self.metrics.bytes(self.labels, sent=upstream_end.bytes_received, received=upstream_end.bytes_sent)
             app_outcome, upstream_outcome = outcomes
-            error = None if (app_outcome, upstream_outcome) == ("closed", "closed") else f"{app_outcome}/{upstream_outcome}"
-            self._log(bytes_sent=upstream_end.bytes_sent, bytes_recv=upstream_end.bytes_received, error=error)
+            clean = (app_outcome, upstream_outcome) == ("closed", "closed")
+            self._log(
+                bytes_sent=upstream_end.bytes_sent,
+                bytes_recv=upstream_end.bytes_received,
+                error=None if clean else f"{app_outcome}/{upstream_outcome}",
+                outcome="closed" if clean else _ending(app_outcome, upstream_outcome),
+            )
 
         spliced.addCallback(done)
         spliced.addErrback(lambda failure: log.failure("accounting failed", failure))
 
-    def _log(self, bytes_sent: int, bytes_recv: int, error: str | None) -> None:
+    def _log(self, bytes_sent: int, bytes_recv: int, error: str | None, outcome: str = "refused") -> None:
         fields = dict(self.fields)
+        fields["outcome"] = outcome
         fields.update(
             bytes_sent=bytes_sent,
             bytes_recv=bytes_recv,
@@ -76,6 +82,14 @@ def track_hbone_connection(metrics, connection, direction: str) -> None:
 
     connection.closed.addCallback(closed)
     connection.on_limit = lambda kind, detail: limits.labels(direction=direction, kind=kind).inc()
+
+
+def _ending(app_outcome: str, upstream_outcome: str) -> str:
+    """The more telling of the two ends' outcomes: the one that was not merely closed or reset in turn."""
+    for outcome in (upstream_outcome, app_outcome):
+        if outcome not in ("closed", "reset", "closed early"):
+            return outcome
+    return app_outcome if app_outcome != "closed" else upstream_outcome
 
 
 class LiveConnections:

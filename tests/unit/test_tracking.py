@@ -1,0 +1,67 @@
+"""The per-connection record: istio_tcp_* metrics and one access-log event saying how it ended."""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet import defer, task
+from twisted.logger import globalLogPublisher
+
+from ztwisted.hbone.tracking import ConnectionRecord
+from ztwisted.metrics import ConnectionLabels, Metrics
+
+
+class End:
+    def __init__(self, sent=0, received=0):
+        self.bytes_sent = sent
+        self.bytes_received = received
+
+
+@pytest.fixture
+def access_events():
+    events = []
+
+    def observe(event):
+        if event.get("log_namespace") == "access":
+            events.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    yield events
+    globalLogPublisher.removeObserver(observe)
+
+
+@pytest.mark.parametrize(
+    "outcomes, expected",
+    [
+        (("closed", "closed"), "closed"),
+        (("reset", "drain-deadline"), "drain-deadline"),
+        (("abrupt", "reset"), "abrupt"),
+        (("reset by peer", "reset"), "reset by peer"),
+    ],
+)
+def test_access_log_says_how_the_connection_ended(access_events, outcomes, expected):
+    clock = task.Clock()
+    metrics = Metrics()
+    labels = ConnectionLabels(reporter="destination", destination_workload="echo")
+    record = ConnectionRecord(metrics, clock, labels, **{"direction": "inbound", "dst.addr": "127.0.0.1:8080"})
+    clock.advance(2.5)
+    record.finish_when_done(defer.succeed(list(outcomes)), End(), End(sent=10, received=7))
+    (event,) = access_events
+    assert event["outcome"] == expected
+    assert (event.get("error") is None) == (expected == "closed")
+    assert event["duration"] == "2500ms"
+    assert (event["bytes_sent"], event["bytes_recv"]) == (10, 7)
+    # Istio's convention: received = what the client sent (towards the destination).
+    assert metrics.sample("istio_tcp_received_bytes_total", labels.as_dict()) == 10
+    assert metrics.sample("istio_tcp_sent_bytes_total", labels.as_dict()) == 7
+    assert metrics.sample("istio_tcp_connections_closed_total", labels.as_dict()) == 1
+
+
+def test_a_refused_connection_is_counted_with_its_flags(access_events):
+    clock = task.Clock()
+    metrics = Metrics()
+    labels = ConnectionLabels(reporter="destination", destination_workload="echo")
+    ConnectionRecord(metrics, clock, labels).refused("DENY", "denied by policy default/only-clients")
+    (event,) = access_events
+    assert event["outcome"] == "refused"
+    assert event["error"] == "denied by policy default/only-clients"
+    assert metrics.sample("istio_tcp_connections_closed_total", labels.with_flags("DENY").as_dict()) == 1

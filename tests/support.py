@@ -1,4 +1,7 @@
-"""Helpers shared by the integration and interop tests: apps that workloads run."""
+"""Helpers shared by the integration and interop tests: apps that workloads run, waiting, sockets.
+
+Standard library only: the in-pod apps import it inside pod namespaces.
+"""
 
 from __future__ import annotations
 
@@ -7,50 +10,31 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
 class EchoServer:
     """A TCP echo app: echoes as it reads, half-closes after the client's FIN."""
 
     def __init__(self, ip: str, port: int = 8080):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((ip, port))
-        self.sock.listen(512)
+        self.sock = listening_socket(ip, port, backlog=512)
         self.address = self.sock.getsockname()
         self.connections = 0
         #: how each finished connection ended: "closed" (EOF) or the OSError's class name
         self.outcomes: list[str] = []
         self._ended = threading.Condition()
         self._closing = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        accept_in_background(self.sock, self._accepted)
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+    def _accepted(self, conn: socket.socket):
+        self.connections += 1
+        threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
 
     def _echo(self, conn: socket.socket):
-        outcome = "closed"
-        with conn:
-            try:
-                while True:
-                    data = conn.recv(262144)
-                    if not data:
-                        conn.shutdown(socket.SHUT_WR)
-                        return
-                    conn.sendall(data)
-            except OSError as e:
-                outcome = type(e).__name__
-                return
-            finally:
-                with self._ended:
-                    self.outcomes.append(outcome)
-                    self._ended.notify_all()
+        outcome = echo_until_eof(conn)
+        with self._ended:
+            self.outcomes.append(outcome)
+            self._ended.notify_all()
 
     def wait_for_outcomes(self, count: int, timeout: float = 10.0) -> list[str]:
         """The outcomes once at least ``count`` connections have ended (or what there is at the timeout)."""
@@ -66,21 +50,13 @@ class SinkServer:
     """An app that accepts and never reads: the slow reader."""
 
     def __init__(self, ip: str, port: int):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((ip, port))
-        self.sock.listen(16)
+        self.sock = listening_socket(ip, port, backlog=16)
         self.accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        accept_in_background(self.sock, self._accepted)
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-            self.accepted.append(conn)
+    def _accepted(self, conn: socket.socket):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        self.accepted.append(conn)
 
     def close(self):
         for conn in self.accepted:
@@ -101,6 +77,105 @@ def close_listener(sock: socket.socket) -> None:
     sock.close()
 
 
+def listening_socket(ip: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket listening on ip:port (SO_REUSEADDR, so a test's port is free again at once)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((ip, port))
+    sock.listen(backlog)
+    return sock
+
+
+def accept_in_background(sock: socket.socket, on_connection: Callable[[socket.socket], None]) -> None:
+    """Accept on ``sock`` in a daemon thread, handing each connection to ``on_connection``, until it closes."""
+
+    def accept_loop():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            on_connection(conn)
+
+    threading.Thread(target=accept_loop, daemon=True).start()
+
+
+def echo_until_eof(conn: socket.socket) -> str:
+    """Echo what ``conn`` sends, half-close after its FIN, then close it.
+
+    Returns how it ended: "closed" (EOF) or the OSError's class name.
+    """
+    with conn:
+        try:
+            while True:
+                data = conn.recv(262144)
+                if not data:
+                    conn.shutdown(socket.SHUT_WR)
+                    return "closed"
+                conn.sendall(data)
+        except OSError as e:
+            return type(e).__name__
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 5.0, what: str = "condition", interval: float = 0.05):
+    """Poll ``condition`` until it is truthy; return its value, or raise AssertionError at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def can_connect(ip: str, port: int = 15008) -> bool:
+    """Whether something accepts TCP connections on ip:port (within a second)."""
+    try:
+        socket.create_connection((ip, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def pod_uid(name: str, namespace: str = "default") -> str:
+    """The uid ztunnel's workload discovery gives a Kubernetes pod of cluster1."""
+    return f"cluster1//v1/Pod/{namespace}/{name}"
+
+
+def mesh_workload(
+    name: str,
+    ip: str,
+    node: str,
+    *,
+    uid: str | None = None,
+    namespace: str = "default",
+    service_account: str | None = None,
+    services: str | None = None,
+) -> str:
+    """One HBONE workload as an entry of a mesh YAML ``workloads:`` list.
+
+    The service account defaults to ``name``; ``services`` is the YAML flow
+    mapping of the workload's service ports, when it backs a service.
+    """
+    fields = ([f"uid: {uid}"] if uid is not None else []) + [
+        f"name: {name}",
+        f"namespace: {namespace}",
+        f"serviceAccount: {service_account or name}",
+        f'workloadIps: ["{ip}"]',
+        "protocol: HBONE",
+        f"node: {node}",
+    ]
+    if services is not None:
+        fields.append(f"services: {services}")
+    return "- " + "\n  ".join(fields) + "\n"
+
+
+def mesh_workloads(*entries: str) -> str:
+    """A mesh YAML ``workloads:`` list of :func:`mesh_workload` entries."""
+    return "workloads:\n" + "".join(entries)
+
+
 def recv_all(sock: socket.socket) -> bytes:
     chunks = []
     while True:
@@ -118,19 +193,11 @@ class ReplyAfterEofServer:
     """
 
     def __init__(self, ip: str, port: int):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((ip, port))
-        self.sock.listen(16)
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.sock = listening_socket(ip, port, backlog=16)
+        accept_in_background(self.sock, self._accepted)
 
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _accepted(self, conn: socket.socket):
+        threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket):
         with conn:

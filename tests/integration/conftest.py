@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from tests.support import EchoServer, SinkServer
+from tests.support import EchoServer, SinkServer, mesh_workload, mesh_workloads, pod_uid
 from ztwisted.harness import NodeProcess
 
 # Every address is in 127.<NET>.0.0/16, so separate runs can share a machine.
@@ -17,31 +17,13 @@ ECHO_VIP = f"127.{NET}.10.1"
 NODE_A_CONTROL_IP = f"127.{NET}.2.254"
 NODE_B_CONTROL_IP = f"127.{NET}.3.254"
 
-TWO_NODE_MESH = textwrap.dedent(
-    f"""
-    workloads:
-    - uid: cluster1//v1/Pod/default/client
-      name: client
-      namespace: default
-      serviceAccount: client
-      workloadIps: ["{CLIENT_IP}"]
-      protocol: HBONE
-      node: node-a
-    - uid: cluster1//v1/Pod/default/echo
-      name: echo
-      namespace: default
-      serviceAccount: echo
-      workloadIps: ["{SERVER_IP}"]
-      protocol: HBONE
-      node: node-b
-      services: {{"default/echo.default.svc.cluster.local": {{80: 8080}}}}
-    - uid: cluster1//v1/Pod/default/sink
-      name: sink
-      namespace: default
-      serviceAccount: sink
-      workloadIps: ["{SINK_IP}"]
-      protocol: HBONE
-      node: node-b
+ECHO_SERVICE_PORTS = '{"default/echo.default.svc.cluster.local": {80: 8080}}'
+TWO_NODE_MESH = mesh_workloads(
+    mesh_workload("client", CLIENT_IP, "node-a", uid=pod_uid("client")),
+    mesh_workload("echo", SERVER_IP, "node-b", uid=pod_uid("echo"), services=ECHO_SERVICE_PORTS),
+    mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink")),
+) + textwrap.dedent(
+    f"""\
     services:
     - name: echo
       namespace: default

@@ -34,7 +34,7 @@ import yaml
 from hyperframe.frame import Frame, GoAwayFrame, RstStreamFrame
 
 from tests.integration.conftest import NODE_A_CONTROL_IP, NODE_B_CONTROL_IP, TWO_NODE_MESH
-from tests.support import echo_through
+from tests.support import echo_through, wait_until
 from ztwisted.ca import CertificateAuthority, IssuedCertificate
 from ztwisted.harness import NodeProcess, socks5_connect
 from ztwisted.identity import SpiffeId
@@ -44,21 +44,6 @@ CANCEL = 0x8
 CLIENT_ID = SpiffeId("cluster.local", "default", "client")
 ECHO_HOST = "echo.default.svc.cluster.local"
 
-
-
-# -- waiting ----------------------------------------------------------------------
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 5.0, what: str = "condition", interval: float = 0.05):
-    """Poll ``condition`` until it is truthy; return its value, or raise AssertionError at the timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 # -- the recording HBONE peer ----------------------------------------------------------
@@ -547,14 +532,6 @@ def config_without_workload(mesh: str, name: str) -> str:
     document = yaml.safe_load(mesh)
     document["workloads"] = [w for w in document["workloads"] if w["name"] != name]
     return yaml.safe_dump(document, sort_keys=False)
-
-
-def can_connect(ip: str, port: int = 15008) -> bool:
-    try:
-        socket.create_connection((ip, port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 # -- load through node-a's SOCKS5 ---------------------------------------------------------

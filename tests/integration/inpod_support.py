@@ -24,12 +24,11 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+from tests.support import echo_until_eof, listening_socket, mesh_workload
 from ztwisted.harness import NodeProcess  # standard library only, as the apps below need
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -45,22 +44,6 @@ REDIRECT_PORT = 15001
 def control_ip(net: int, number: int) -> str:
     """The loopback address of node ``number``'s (and its agent's) control listeners."""
     return f"127.{net}.{number}.254"
-
-
-# -- waiting ------------------------------------------------------------------------------
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 10.0, what: str = "condition",
-               interval: float = 0.05):
-    """Poll ``condition`` until it is truthy; return its value, or raise AssertionError at the timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 # -- namespaces -----------------------------------------------------------------------------
@@ -155,16 +138,8 @@ class Pod:
         self.network.ip("-n", NETWORK_NS, "link", "del", self.peer)
 
     def mesh_entry(self, node: str) -> str:
-        return textwrap.dedent(
-            f"""\
-            - uid: {self.uid}
-              name: {self.name}
-              namespace: {self.namespace}
-              serviceAccount: {self.service_account}
-              workloadIps: ["{self.ip}"]
-              protocol: HBONE
-              node: {node}
-            """
+        return mesh_workload(
+            self.name, self.ip, node, uid=self.uid, namespace=self.namespace, service_account=self.service_account
         )
 
 
@@ -412,27 +387,11 @@ def _emit(event: dict) -> None:
 
 
 def _echo_main(ip: str, port: int) -> None:
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((ip, port))
-    server.listen(512)
-
-    def echo(conn: socket.socket) -> None:
-        with conn:
-            try:
-                while True:
-                    data = conn.recv(262144)
-                    if not data:
-                        conn.shutdown(socket.SHUT_WR)
-                        return
-                    conn.sendall(data)
-            except OSError:
-                return
-
+    server = listening_socket(ip, port, backlog=512)
     _emit({"event": "listening"})
     while True:
         conn, _ = server.accept()
-        threading.Thread(target=echo, args=(conn,), daemon=True).start()
+        threading.Thread(target=echo_until_eof, args=(conn,), daemon=True).start()
 
 
 def _exchange(sock: socket.socket, payload: bytes) -> bytes:

@@ -19,7 +19,7 @@ import h2.events
 import pytest
 
 from tests.integration.conftest import CLIENT_IP, NET, SERVER_IP, SINK_IP, TWO_NODE_MESH, TwoNodes
-from tests.support import EchoServer, close_listener, echo_through, recv_all
+from tests.support import EchoServer, close_listener, echo_through, mesh_workload, pod_uid, recv_all
 from ztwisted.ca import CertificateAuthority, IssuedCertificate, create_files
 from ztwisted.harness import Socks5Refused, socks5_connect
 from ztwisted.identity import SpiffeId
@@ -34,15 +34,7 @@ ECHO_HOST = "echo.default.svc.cluster.local"
 CLIENT_ID = SpiffeId("cluster.local", "default", "client")
 ECHO_ID = SpiffeId("cluster.local", "default", "echo")
 
-ELSEWHERE_WORKLOAD = f"""\
-- uid: cluster1//v1/Pod/default/elsewhere
-  name: elsewhere
-  namespace: default
-  serviceAccount: elsewhere
-  workloadIps: ["{ELSEWHERE_IP}"]
-  protocol: HBONE
-  node: node-c
-"""
+ELSEWHERE_WORKLOAD = mesh_workload("elsewhere", ELSEWHERE_IP, "node-c", uid=pod_uid("elsewhere"))
 # Appended to the `workloads` list, which ends where the top-level `services` starts.
 MESH = TWO_NODE_MESH.replace("\nservices:\n", "\n" + ELSEWHERE_WORKLOAD + "services:\n", 1)
 assert ELSEWHERE_WORKLOAD in MESH

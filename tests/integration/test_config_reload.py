@@ -5,12 +5,12 @@ from __future__ import annotations
 import socket
 import ssl
 import subprocess
-import textwrap
 import time
 
 import pytest
 
 from tests.integration.conftest import NET
+from tests.support import can_connect, mesh_workload, mesh_workloads, wait_until
 from ztwisted.ca import CertificateAuthority
 from ztwisted.harness import NodeProcess, twistd_command
 from ztwisted.identity import SpiffeId
@@ -23,45 +23,13 @@ CONTROL_IP = f"127.{NET}.5.254"
 
 
 def workload(name: str, ip: str) -> str:
-    return textwrap.dedent(
-        f"""\
-        - name: {name}
-          namespace: default
-          serviceAccount: {name}
-          workloadIps: ["{ip}"]
-          protocol: HBONE
-          node: node-r
-        """
-    )
-
-
-def mesh(*workloads: str) -> str:
-    return "workloads:\n" + "".join(workloads)
-
-
-def can_connect(ip: str, port: int = 15008) -> bool:
-    try:
-        socket.create_connection((ip, port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-def wait_until(condition, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+    return mesh_workload(name, ip, "node-r")
 
 
 @pytest.fixture
 def reloading_node(tmp_path):
     config = tmp_path / "mesh.yaml"
-    config.write_text(mesh(workload("first", FIRST_IP)))
+    config.write_text(mesh_workloads(workload("first", FIRST_IP)))
     node = NodeProcess(tmp_path / "node", name="node-r", control_ip=CONTROL_IP, config=config, node="node-r")
     node.start()
     yield node
@@ -82,7 +50,7 @@ def test_reload_adds_and_removes_listeners_and_survives_bad_files(reloading_node
     assert not can_connect(SECOND_IP)
 
     # A new workload on this node: its HBONE listener appears.
-    config.write_text(mesh(workload("first", FIRST_IP), workload("second", SECOND_IP)))
+    config.write_text(mesh_workloads(workload("first", FIRST_IP), workload("second", SECOND_IP)))
     wait_until(lambda: can_connect(SECOND_IP), what=f"a listener on {SECOND_IP}:15008")
     assert local_workloads(node) == {"first", "second"}
     assert node.metric("ztwisted_config_reloads_total") == 1
@@ -95,7 +63,7 @@ def test_reload_adds_and_removes_listeners_and_survives_bad_files(reloading_node
     assert "invalid YAML" in error["message"]
 
     # An unknown key: rejected with file, path to the field and message.
-    config.write_text(mesh(workload("first", FIRST_IP)).replace("protocol: HBONE", "protocol: HBONE\n  colour: blue"))
+    config.write_text(mesh_workloads(workload("first", FIRST_IP)).replace("protocol: HBONE", "protocol: HBONE\n  colour: blue"))
     wait_until(lambda: node.metric("ztwisted_config_reload_errors_total") == 2, what="the second reload error")
     wait_until(lambda: rejection(node, f"{config}: workloads[0].colour: unknown key"), what="the unknown-key error in the log")
 
@@ -107,7 +75,7 @@ def test_reload_adds_and_removes_listeners_and_survives_bad_files(reloading_node
 
     # The workload goes away: so do its listener and its connections (at once, as ztunnel).
     established = hbone_client(node, SECOND_IP)
-    config.write_text(mesh(workload("first", FIRST_IP)))
+    config.write_text(mesh_workloads(workload("first", FIRST_IP)))
     wait_until(lambda: not can_connect(SECOND_IP), what=f"the listener on {SECOND_IP}:15008 to close")
     established.settimeout(5)
     try:

@@ -31,11 +31,13 @@ from tests.integration.inpod_support import (
     remove_leftover_namespaces,
     roundtrip,
     start_echo,
-    wait_until,
 )
+from tests.support import mesh_workloads, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
+# Pods, agents and proxies in namespaces take longer than loopback nodes.
+POD_WAIT_SECONDS = 10.0
 POD_A_IP = "10.251.0.2"
 POD_B_IP = "10.251.0.3"
 PODS = [("a", POD_A_IP, "uid-pod-a", "pod-a"), ("b", POD_B_IP, "uid-pod-b", "pod-b")]
@@ -72,7 +74,7 @@ def network():
 def mesh(tmp_path, network):
     path = tmp_path / "mesh.yaml"
     pod_a, pod_b = network.pods["a"], network.pods["b"]
-    path.write_text("workloads:\n" + pod_a.mesh_entry("node-1") + pod_b.mesh_entry("node-2"))
+    path.write_text(mesh_workloads(pod_a.mesh_entry("node-1"), pod_b.mesh_entry("node-2")))
     return path
 
 
@@ -115,11 +117,11 @@ def serve_pod(node: InpodNode, pod, *, check_not_ready: bool = True, in_snapshot
               proxies: int = 1) -> None:
     """``node`` gets ``pod`` (from the agent's snapshot, or by ``ztunnel-agent add``), then the snapshot
     ends; readiness turns 200 only then. ``proxies``: how many proxies the agent has with this one."""
-    wait_until(lambda: node.agent.proxies_said_hello(proxies), what=f"{node.name} to say hello to its agent")
+    wait_until(lambda: node.agent.proxies_said_hello(proxies), timeout=POD_WAIT_SECONDS, what=f"{node.name} to say hello to its agent")
     if check_not_ready:
         assert node.ready() == 500, "ready before the node agent's snapshot"
     if in_snapshot:
-        wait_until(lambda: not node.agent.status()["proxies"][-1]["busy"], what="the snapshot's Add to be acked")
+        wait_until(lambda: not node.agent.status()["proxies"][-1]["busy"], timeout=POD_WAIT_SECONDS, what="the snapshot's Add to be acked")
     else:
         code, reply = node.agent.add(pod)
         assert code == 0 and acks_ok(reply), reply
@@ -127,7 +129,7 @@ def serve_pod(node: InpodNode, pod, *, check_not_ready: bool = True, in_snapshot
         assert node.ready() == 500, "ready before SnapshotSent"
     code, reply = node.agent.call("snapshot-end")  # to the newest proxy: this one
     assert code == 200 and acks_ok(reply), reply
-    wait_until(lambda: node.ready() == 200, what=f"{node.name} to be ready")
+    wait_until(lambda: node.ready() == 200, timeout=POD_WAIT_SECONDS, what=f"{node.name} to be ready")
 
 
 def pod_listeners(pod) -> list[int]:
@@ -170,8 +172,8 @@ def test_app_in_pod_a_reaches_pod_b_through_hbone(network, nodes, echo_b):
     report = roundtrip(pod_a, POD_B_IP, APP_PORT, 300_000)
     assert report["exact"], report
 
-    outbound = wait_until(lambda: events(node1, scope="access", direction="outbound"), what="node 1's access log")
-    inbound = wait_until(lambda: events(node2, scope="access", direction="inbound"), what="node 2's access log")
+    outbound = wait_until(lambda: events(node1, scope="access", direction="outbound"), timeout=POD_WAIT_SECONDS, what="node 1's access log")
+    inbound = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS, what="node 2's access log")
     (out,), (inn,) = outbound, inbound
     assert out["src.addr"].startswith(f"{POD_A_IP}:") and out["src.workload"] == "pod-a"
     assert out["dst.addr"] == f"{POD_B_IP}:{APP_PORT}" and out["dst.hbone_addr"] == f"{POD_B_IP}:15008"
@@ -206,7 +208,7 @@ def test_last_mile_del_lets_the_tunnel_in_flight_finish_before_the_ack(network, 
     assert stream.read_event().get("echoed", 0) > 0, "the tunnel carries data before the Del"
 
     delete = node2.agent.cli_background("delete", "--uid", pod_b.uid)
-    wait_until(lambda: messages(node1, "GOAWAY from"), what="node 1 to receive GOAWAY from node 2")
+    wait_until(lambda: messages(node1, "GOAWAY from"), timeout=POD_WAIT_SECONDS, what="node 1 to receive GOAWAY from node 2")
     time.sleep(1.0)  # the app keeps sending through the draining connection
     assert delete.poll() is None, "the Del was acked while a tunnel was still in flight"
     report = stream.stop()
@@ -223,7 +225,7 @@ def test_last_mile_del_lets_the_tunnel_in_flight_finish_before_the_ack(network, 
     goaways = [e["message"] for e in messages(node1, "GOAWAY from")]
     assert goaways and all(POD_B_IDENTITY in message for message in goaways), goaways
     assert goaways[-1].endswith("last stream 1, error code 0"), goaways  # the tunnel's stream was kept
-    wait_until(lambda: ended_by_counts(node1, "outbound"), what="node 1 to count the connection's end")
+    wait_until(lambda: ended_by_counts(node1, "outbound"), timeout=POD_WAIT_SECONDS, what="node 1 to count the connection's end")
     # Node 1 processes the stream's END_STREAM before node 2's close_notify (which follows it on the
     # wire), so with GOAWAY received and no stream left it closes first, itself with close_notify:
     # "drained", not "peer". A TCP close without close_notify would have been "lost".
@@ -295,7 +297,7 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
     apps.append(stream)
     assert stream.read_event().get("echoed", 0) > 0
     wait_until(lambda: old.proxy.metric("istio_tcp_connections_opened_total", reporter="destination") >= 10,
-               what="short connections through the old proxy")
+               timeout=POD_WAIT_SECONDS, what="short connections through the old proxy")
 
     # The upgraded proxy connects to the same agent and gets the snapshot: listeners beside the old ones.
     new = nodes(2, agent=old.agent, control_number=3, name="node-2-new")
@@ -306,7 +308,7 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
 
     old.proxy.process.send_signal(signal.SIGTERM)  # proxy stopping: it drains
     wait_until(lambda: [port for port in pod_listeners(pod_b) if port == 15008] == [15008],
-               what="the old proxy to close its listeners in pod B")
+               timeout=POD_WAIT_SECONDS, what="the old proxy to close its listeners in pod B")
     carried_before = new.proxy.metric("istio_tcp_connections_opened_total", reporter="destination")
     time.sleep(1.0)  # short connections keep coming, now to the new proxy; the long tunnel stays on the old
     assert old.proxy.process.poll() is None, "the old proxy exited with the long tunnel still open"
@@ -324,5 +326,5 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
     carried = events(old, scope="access", direction="inbound")
     assert [e for e in carried if "error" in e] == []
     assert report["sent"] in [e["bytes_recv"] for e in carried]
-    wait_until(lambda: len(old.agent.status()["proxies"]) == 1, what="the agent to see the old proxy leave")
+    wait_until(lambda: len(old.agent.status()["proxies"]) == 1, timeout=POD_WAIT_SECONDS, what="the agent to see the old proxy leave")
     assert roundtrip(pod_a, POD_B_IP, APP_PORT, 50_000)["exact"]

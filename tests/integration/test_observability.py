@@ -6,14 +6,13 @@ import json
 import os
 import re
 import socket
-import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import CLIENT_IP, ECHO_VIP, SERVER_IP, SINK_IP
-from tests.support import ReplyAfterEofServer, echo_through
+from tests.support import ReplyAfterEofServer, echo_through, wait_until
 from ztwisted.harness import socks5_connect
 
 pytestmark = pytest.mark.integration
@@ -21,17 +20,6 @@ pytestmark = pytest.mark.integration
 ECHO_HOST = "echo.default.svc.cluster.local"
 CLIENT_ID = "spiffe://cluster.local/ns/default/sa/client"
 ECHO_ID = "spiffe://cluster.local/ns/default/sa/echo"
-
-
-def wait_until(condition, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def echo(nodes, size: int = 10_000, host: str = ECHO_HOST, port: int = 80) -> int:

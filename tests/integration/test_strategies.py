@@ -26,15 +26,13 @@ from tests.integration.drain_support import (
     Nodes,
     Peers,
     TimedRequest,
-    can_connect,
     config_without_workload,
     finish_tunnel,
     send_signal,
     tunnel_in_flight,
     wait_exit,
-    wait_until,
 )
-from tests.support import echo_through
+from tests.support import can_connect, echo_through, wait_until
 from ztwisted.harness import socks5_connect, twistd_command
 
 pytestmark = pytest.mark.integration

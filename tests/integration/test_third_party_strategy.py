@@ -11,48 +11,26 @@ import os
 import shutil
 import socket
 import subprocess
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import CLIENT_IP, NET, NODE_A_CONTROL_IP, NODE_B_CONTROL_IP, SERVER_IP
-from tests.support import recv_all
+from tests.support import mesh_workload, mesh_workloads, pod_uid, recv_all, wait_until
 from ztwisted.harness import NodeProcess, socks5_connect, twistd_command
 
 pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_strategy"
 STRATEGY = "goaway-when-idle"
-ECHO_UID = "cluster1//v1/Pod/default/echo"
+ECHO_UID = pod_uid("echo")
 CLIENT2_IP = f"127.{NET}.2.2"
 
-MESH = textwrap.dedent(
-    f"""
-    workloads:
-    - uid: cluster1//v1/Pod/default/client
-      name: client
-      namespace: default
-      serviceAccount: client
-      workloadIps: ["{CLIENT_IP}"]
-      protocol: HBONE
-      node: node-a
-    - uid: cluster1//v1/Pod/default/client2
-      name: client2
-      namespace: default
-      serviceAccount: client2
-      workloadIps: ["{CLIENT2_IP}"]
-      protocol: HBONE
-      node: node-a
-    - uid: {ECHO_UID}
-      name: echo
-      namespace: default
-      serviceAccount: echo
-      workloadIps: ["{SERVER_IP}"]
-      protocol: HBONE
-      node: node-b
-    """
+MESH = mesh_workloads(
+    mesh_workload("client", CLIENT_IP, "node-a", uid=pod_uid("client")),
+    mesh_workload("client2", CLIENT2_IP, "node-a", uid=pod_uid("client2")),
+    mesh_workload("echo", SERVER_IP, "node-b", uid=ECHO_UID),
 )
 
 
@@ -87,17 +65,6 @@ def test_drain_strategy_help_lists_the_third_party_strategy(tmp_path, plugin_pat
     unknown = twistd(["--drain-strategy", "nonesuch"], tmp_path, plugin_path)
     assert unknown.returncode != 0
     assert f"unknown drain strategy nonesuch; installed: client-evict, goaway-on-start, {STRATEGY}," in unknown.stdout + unknown.stderr
-
-
-def wait_until(condition, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def round_trip(sock: socket.socket, payload: bytes) -> bytes:
@@ -172,7 +139,7 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
     busy = open_tunnel(node_a, CLIENT_IP)
     first = os.urandom(50_000)
     assert round_trip(busy, first) == first
-    wait_until(lambda: set(pool_entries(node_a)) == {CLIENT_IP, CLIENT2_IP}, "both pooled connections")
+    wait_until(lambda: set(pool_entries(node_a)) == {CLIENT_IP, CLIENT2_IP}, timeout=10.0, what="both pooled connections")
 
     status, body = node_b.http("admin", "/workloads/echo/terminating", method="POST")
     assert (status, body) == (200, f"pod terminating: {ECHO_UID}\n".encode())
@@ -180,8 +147,8 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
         assert node_b.metric("ztwisted_drain_events_total", strategy=strategy, event="pod_terminating") == 1
 
     # The idle connection got GOAWAY and closed gracefully; the busy one did not.
-    wait_until(lambda: graceful_closes(node_b) == 1, "the idle connection to close")
-    wait_until(lambda: set(pool_entries(node_a)) == {CLIENT_IP}, "client2's connection to leave the pool")
+    wait_until(lambda: graceful_closes(node_b) == 1, timeout=10.0, what="the idle connection to close")
+    wait_until(lambda: set(pool_entries(node_a)) == {CLIENT_IP}, timeout=10.0, what="client2's connection to leave the pool")
     assert inbound_closed(node_b, "abrupt") == 0
 
     # The pod keeps serving, and the busy connection keeps carrying new tunnels: no new handshake.
@@ -198,8 +165,8 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
     last = os.urandom(10_000)
     assert finish(busy, last) == last
     busy.close()
-    wait_until(lambda: graceful_closes(node_b) == 2, "the busy connection to close after its last tunnel")
-    wait_until(lambda: pool_entries(node_a) == {}, "the pool to be empty")
+    wait_until(lambda: graceful_closes(node_b) == 2, timeout=10.0, what="the busy connection to close after its last tunnel")
+    wait_until(lambda: pool_entries(node_a) == {}, timeout=10.0, what="the pool to be empty")
     assert inbound_closed(node_b, "abrupt") == 0
 
     # Pod removed: goaway-when-idle lets go, immediate closes what is left at once.
@@ -215,5 +182,5 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
             assert late.recv(100) == b""
         except ConnectionResetError:
             pass
-    wait_until(lambda: inbound_closed(node_b, "abrupt") == 1, "the pod's last connection to be aborted")
+    wait_until(lambda: inbound_closed(node_b, "abrupt") == 1, timeout=10.0, what="the pod's last connection to be aborted")
     assert node_b.metric("ztwisted_drain_event_failures_total") == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hyperframe.frame import Frame, GoAwayFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
 from twisted.internet import task
 from twisted.internet.testing import StringTransport
 from twisted.test import iosim
@@ -12,36 +12,7 @@ from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused, T
 from ztwisted.h2.goaway import CLIENT_PREFACE, MAX_STREAM_ID, GoawayFilter, encode_goaway
 from ztwisted.splice import TCPEnd
 
-
-class RecordingEnd:
-    """The far side of a stream in tests: records what the stream delivers."""
-
-    def __init__(self):
-        self.data = b""
-        self.eof = False
-        self.aborted = False
-        self.paused = False
-
-    def set_partner(self, partner):
-        self.partner = partner
-
-    def write(self, data):
-        self.data += data
-
-    def write_eof(self):
-        self.eof = True
-
-    def abort(self):
-        self.aborted = True
-
-    def pauseProducing(self):
-        self.paused = True
-
-    def resumeProducing(self):
-        self.paused = False
-
-    def stopProducing(self):
-        pass
+from .h2_support import RecordingEnd, accept_and_record, parse_frames
 
 
 class Pair:
@@ -69,14 +40,6 @@ class Pair:
 
     def flush(self):
         self.pump.flush()
-
-
-def accept_and_record(stream):
-    far = RecordingEnd()
-    stream.accept()
-    stream.set_partner(far)
-    far.set_partner(stream)
-    stream.far = far
 
 
 def test_tunnel_carries_bytes_both_ways_and_half_close():
@@ -201,22 +164,12 @@ def test_keepalive_closes_connection_without_ping_answer():
     conn.handshakeCompleted()
     transport.clear()
     clock.advance(10)
-    frames = decode_frames(transport.value())
+    frames = parse_frames(transport.value())
     assert any(isinstance(f, PingFrame) and "ACK" not in f.flags for f in frames)
     clock.advance(19.9)
     assert not transport.disconnecting
     clock.advance(0.2)
     assert conn.ended_by == "keepalive-timeout"
-
-
-def decode_frames(data: bytes) -> list[Frame]:
-    frames = []
-    while len(data) >= 9:
-        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-        frame.parse_body(memoryview(data[9 : 9 + length]))
-        frames.append(frame)
-        data = data[9 + length :]
-    return frames
 
 
 def test_goaway_filter_cuts_goaway_out_of_any_fragmentation():
@@ -237,7 +190,7 @@ def test_goaway_filter_cuts_goaway_out_of_any_fragmentation():
 
 
 def test_encode_goaway_is_a_valid_frame():
-    frame = decode_frames(encode_goaway(7, 2, b"x"))[0]
+    frame = parse_frames(encode_goaway(7, 2, b"x"))[0]
     assert isinstance(frame, GoAwayFrame)
     assert (frame.last_stream_id, frame.error_code, frame.additional_data) == (7, 2, b"x")
 

@@ -10,6 +10,8 @@ from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused
 from ztwisted.h2.goaway import encode_goaway
 from ztwisted.hbone.pool import ConnectionPool, PoolKey
 
+from .h2_support import accept_and_record, couple
+
 REFUSED_STREAM = h2.errors.ErrorCodes.REFUSED_STREAM
 AUTHORITY = "10.0.3.1:8080"
 
@@ -39,43 +41,6 @@ class TrackingTransport(iosim.FakeTransport):
         super().abortConnection()
 
 
-class Echoing:
-    """The app behind a server stream: records what arrives."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.data = b""
-        self.eof = False
-        self.aborted = False
-        stream.set_partner(self)
-
-    def set_partner(self, partner):
-        pass
-
-    def write(self, data):
-        self.data += data
-
-    def write_eof(self):
-        self.eof = True
-
-    def abort(self):
-        self.aborted = True
-
-    def pauseProducing(self):
-        pass
-
-    def resumeProducing(self):
-        pass
-
-    def stopProducing(self):
-        pass
-
-
-def accept(stream):
-    stream.accept()
-    stream.app = Echoing(stream)
-
-
 def refuse(stream):
     stream.reset(REFUSED_STREAM)
 
@@ -86,7 +51,7 @@ class Network:
     With ``manual`` the attempt stays pending until :meth:`complete` or :meth:`fail`.
     """
 
-    def __init__(self, clock, *, server_settings=None, handler=accept, manual=False):
+    def __init__(self, clock, *, server_settings=None, handler=accept_and_record, manual=False):
         self.clock = clock
         self.server_settings = server_settings
         self.handlers = [handler]
@@ -168,7 +133,7 @@ def result_of(d: defer.Deferred):
 def finish(client_stream, server_stream) -> None:
     """Both sides end the tunnel cleanly."""
     if client_stream.partner is None:
-        Echoing(client_stream)
+        couple(client_stream)
     client_stream.write_eof()
     server_stream.write_eof()
 
@@ -239,11 +204,11 @@ def test_goaway_connection_is_never_handed_out_again_while_its_streams_finish():
     assert len(s.net.attempts) == 2 and new.connection is s.net.clients[1]
     assert old.connection is s.net.clients[0]
     # The old tunnel still works both ways.
-    app = Echoing(old)
+    app = couple(old)
     old.write(b"still here")
     old_server_stream.write(b"me too")
     s.net.flush()
-    assert old_server_stream.app.data == b"still here" and app.data == b"me too"
+    assert old_server_stream.far.data == b"still here" and app.data == b"me too"
     assert {c for c in s.pool.connections()} == {s.net.clients[0], s.net.clients[1]}
     for _ in range(3):
         assert result_of(_opened(s)).connection is s.net.clients[1]
@@ -276,7 +241,7 @@ def test_stream_refused_by_goaway_is_retried_on_a_new_connection():
 
 def test_refused_stream_is_retried_once_invisibly():
     s = Setup()
-    s.net.handlers = [refuse, accept]
+    s.net.handlers = [refuse, accept_and_record]
     tunnel = _opened(s)
     stream = result_of(tunnel)
     assert hasattr(stream, "stream_id"), stream
@@ -285,7 +250,7 @@ def test_refused_stream_is_retried_once_invisibly():
 
 def test_refused_stream_is_retried_on_another_connection():
     s = Setup()
-    s.net.handlers = [refuse, accept]
+    s.net.handlers = [refuse, accept_and_record]
     stream = result_of(_opened(s))
     assert len(s.net.attempts) == 2
     assert stream.connection is s.net.clients[1]

@@ -247,14 +247,18 @@ def credentials(ca, tmp_path):
 
 @pytest.fixture
 def start_ztwisted(tmp_path, state_dir, ca, interop_processes):
-    """``start_ztwisted(*extra_args)`` -> the started ztwisted node ``node-z`` of the interop mesh."""
+    """``start_ztwisted(*extra_args)`` -> the started ztwisted node ``node-z`` of the interop mesh.
 
-    def start(*extra_args: str) -> NodeProcess:
+    ``process_name`` names the process's directory and log, so a restarted
+    node (same addresses, same CA) keeps its predecessor's log apart.
+    """
+
+    def start(*extra_args: str, process_name: str = ZT_NODE) -> NodeProcess:
         config = tmp_path / "mesh.yaml"
         config.write_text(INTEROP_MESH)
         node = NodeProcess(
-            tmp_path / ZT_NODE,
-            name=ZT_NODE,
+            tmp_path / process_name,
+            name=process_name,
             control_ip=ZT_CONTROL_IP,
             config=config,
             node=ZT_NODE,
@@ -355,9 +359,9 @@ def node_peer(node_binary, tmp_path, interop_processes):
 
 @pytest.fixture
 def envoy_peer(envoy_binary, tmp_path, interop_processes):
-    """``envoy_peer(name, "client"|"server", admin_port, **template values)`` -> a ready EnvoyPeer."""
+    """``envoy_peer(name, "client"|"server", admin_port, extra_args=(), **template values)`` -> a ready EnvoyPeer."""
 
-    def start(name: str, role: str, admin_port: int, **values) -> EnvoyPeer:
+    def start(name: str, role: str, admin_port: int, extra_args: tuple[str, ...] = (), **values) -> EnvoyPeer:
         template = {"client": ENVOY_CLIENT_TEMPLATE, "server": ENVOY_SERVER_TEMPLATE}[role]
         peer = EnvoyPeer(
             name,
@@ -366,6 +370,7 @@ def envoy_peer(envoy_binary, tmp_path, interop_processes):
             tmp_path / "peers",
             base_id=unique_base_id(NET),
             admin=(PEER_ADMIN_IP, admin_port),
+            extra_args=extra_args,
             **values,
         )
         interop_processes.add(peer)

@@ -241,7 +241,18 @@ def unique_base_id(net: int) -> int:
 class EnvoyPeer(PeerProcess):
     """An Envoy with a configuration rendered from a template in tests/peers/."""
 
-    def __init__(self, name: str, envoy: str, template: Path, workdir: Path, *, base_id: int, admin: tuple[str, int], **values):
+    def __init__(
+        self,
+        name: str,
+        envoy: str,
+        template: Path,
+        workdir: Path,
+        *,
+        base_id: int,
+        admin: tuple[str, int],
+        extra_args: tuple[str, ...] = (),
+        **values,
+    ):
         workdir.mkdir(parents=True, exist_ok=True)
         self.admin = admin
         self.access_log_path = workdir / f"{name}-access.log"
@@ -256,6 +267,7 @@ class EnvoyPeer(PeerProcess):
             "--log-level", os.environ.get("ZTWISTED_ENVOY_LOG_LEVEL", "info"),
             # Access log lines reach the file quickly, so tests can read them.
             "--file-flush-interval-msec", "100",
+            *extra_args,
         ]
         super().__init__(name, argv, workdir / f"{name}.log")
 
@@ -278,6 +290,15 @@ class EnvoyPeer(PeerProcess):
         host, port = self.admin
         try:
             with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def admin_post(self, path: str) -> tuple[int, str]:
+        host, port = self.admin
+        request = urllib.request.Request(f"http://{host}:{port}{path}", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()

@@ -12,13 +12,18 @@
 // Config (JSON), both modes: key, cert (leaf + chain), ca (trust roots), PEM paths.
 //   client: connect {host, port}, localAddress, authority, expectServerIdentity,
 //           payload (file), output (file prefix), timeoutMs, tunnels, resetTunnels,
-//           earlyBytes, holdAfterBytes, chunkSize, chunkIntervalMs, lockstep
-//   server: listen {host, port}, allowedTargets ["ip:port"], goawayAfterResponse, banner
+//           earlyBytes, holdAfterBytes, chunkSize, chunkIntervalMs, lockstep,
+//           awaitServerClose (after the tunnels, wait for the server to end the
+//           connection and report how: "connection_ended")
+//   server: listen {host, port}, allowedTargets ["ip:port"], goawayAfterResponse, banner,
+//           closeOnStdin (a line on stdin: server.close() and session.close() on every session)
 'use strict';
 
 const fs = require('fs');
 const http2 = require('http2');
 const net = require('net');
+const { Duplex } = require('stream');
+const tls = require('tls');
 
 function emit(event, fields) {
   process.stdout.write(JSON.stringify({ event, ...fields }) + '\n');
@@ -65,7 +70,7 @@ function runClient(config) {
     config.timeoutMs,
   );
 
-  const session = http2.connect(`https://${config.connect.host}:${config.connect.port}`, {
+  const options = {
     ...tlsOptions(config),
     localAddress: config.localAddress,
     // HBONE has no host names: the server is identified by its SPIFFE ID.
@@ -76,7 +81,12 @@ function runClient(config) {
       }
       return undefined;
     },
-  });
+  };
+  const ending = config.awaitServerClose ? new EndingWatch() : null;
+  if (ending !== null) {
+    options.createConnection = () => ending.connect(config, options);
+  }
+  const session = http2.connect(`https://${config.connect.host}:${config.connect.port}`, options);
   session.on('error', (err) => fail(`HTTP/2 session error: ${err.message}`));
 
   session.on('connect', (_session, socket) => {
@@ -99,11 +109,105 @@ function runClient(config) {
       if (finished === count) {
         clearTimeout(timer);
         emit('done', { tunnels: results });
+        if (ending !== null) {
+          ending.whenEnded(config.timeoutMs, (report) => {
+            emit('connection_ended', report);
+            process.exit(0);
+          });
+          return;
+        }
         // The server may have closed the session already; do not wait forever.
         session.close(() => process.exit(0));
         setTimeout(() => process.exit(0), 2000);
       }
     });
+  }
+}
+
+// How the server ended the connection, seen from both layers: TLS runs over a
+// Duplex that relays a plain TCP socket, so the TLS socket's 'end' (the TLS
+// stream is over) can be told apart from the TCP socket's 'end' (FIN). The
+// TLS stream can only end before the FIN arrives if the server sent
+// close_notify; an RST shows as a TCP error (ECONNRESET).
+class EndingWatch {
+  constructor() {
+    this.events = [];
+    this.errors = [];
+    this.closed = false;
+    this.onClosed = null;
+  }
+
+  note(what) {
+    this.events.push(what);
+  }
+
+  connect(config, options) {
+    const tcp = net.connect({ host: config.connect.host, port: config.connect.port, localAddress: config.localAddress, allowHalfOpen: true });
+    const relay = new Duplex({
+      allowHalfOpen: true,
+      read() {
+        tcp.resume();
+      },
+      write(chunk, _encoding, callback) {
+        tcp.write(chunk, callback);
+      },
+      final(callback) {
+        this.watch.note('tls-sent-fin');
+        tcp.end();
+        callback();
+      },
+      destroy(err, callback) {
+        tcp.destroy();
+        callback(err);
+      },
+    });
+    relay.watch = this;
+    tcp.on('data', (chunk) => {
+      if (!relay.push(chunk)) tcp.pause();
+    });
+    tcp.on('end', () => {
+      this.note('tcp-end');
+      relay.push(null);
+    });
+    tcp.on('error', (err) => {
+      this.errors.push(`tcp: ${err.code || err.message}`);
+      relay.destroy(err);
+    });
+    tcp.on('close', () => {
+      this.note('tcp-close');
+      this.closed = true;
+      if (this.onClosed !== null) this.onClosed();
+    });
+    const socket = tls.connect({ ...options, host: config.connect.host, socket: relay });
+    socket.on('end', () => this.note('tls-end'));
+    socket.on('error', (err) => this.errors.push(`tls: ${err.code || err.message}`));
+    socket.on('close', (hadError) => this.note(hadError ? 'tls-close-with-error' : 'tls-close'));
+    return socket;
+  }
+
+  report() {
+    const tlsEnd = this.events.indexOf('tls-end');
+    const tcpEnd = this.events.indexOf('tcp-end');
+    return {
+      events: this.events,
+      errors: this.errors,
+      // TLS ended while TCP was still open: the server sent close_notify first.
+      closeNotify: tlsEnd !== -1 && (tcpEnd === -1 || tlsEnd < tcpEnd),
+      clean: this.errors.length === 0 && !this.events.includes('tls-close-with-error'),
+    };
+  }
+
+  whenEnded(timeoutMs, callback) {
+    const finish = () => setImmediate(() => callback(this.report()));
+    if (this.closed) {
+      finish();
+      return;
+    }
+    const timer = setTimeout(() => fail(`the server did not end the connection within ${timeoutMs} ms: ${JSON.stringify(this.report())}`, 3), timeoutMs);
+    this.onClosed = () => {
+      clearTimeout(timer);
+      finish();
+    };
   }
 }
 
@@ -231,10 +335,27 @@ function runServer(config) {
     emit('tls_error', { message: err.message, peer: `${socket.remoteAddress}:${socket.remotePort}` });
   });
   server.on('sessionError', (err) => emit('session_error', { message: err.message }));
+  const sessions = new Set();
   server.on('session', (session) => {
     const socket = session.socket;
-    emit('session', { source: `${socket.remoteAddress}:${socket.remotePort}` });
+    const source = `${socket.remoteAddress}:${socket.remotePort}`;
+    emit('session', { source });
+    sessions.add(session);
+    session.on('close', () => {
+      sessions.delete(session);
+      emit('session_closed', { source });
+    });
   });
+  if (config.closeOnStdin) {
+    process.stdin.once('data', () => {
+      // server.close() only stops listening (Node 20 leaves open sessions
+      // alone); a graceful shutdown also closes each session: GOAWAY with the
+      // last stream processed, the streams in flight finish, then the socket ends.
+      server.close(() => emit('server_closed', {}));
+      for (const session of sessions) session.close();
+      emit('server_closing', { sessions: sessions.size });
+    });
+  }
 
   server.on('stream', (stream, headers) => {
     const socket = stream.session.socket;

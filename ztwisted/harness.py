@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ztwisted.sockets import IP_BIND_ADDRESS_NO_PORT
+
 
 def twistd_command() -> list[str]:
     twistd = shutil.which("twistd", path=os.path.dirname(sys.executable)) or shutil.which("twistd")
@@ -167,7 +169,16 @@ class NodeProcess:
 
 def socks5_connect(proxy: tuple[str, int], source_ip: str, host: str, port: int, timeout: float = 10.0) -> socket.socket:
     """A socket connected through a SOCKS5 proxy, leaving from ``source_ip`` (the workload's address)."""
-    sock = socket.create_connection(proxy, timeout=timeout, source_address=(source_ip, 0))
+    sock = socket.socket(socket.AF_INET6 if ":" in proxy[0] else socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        # Let connect() pick the port: many test connections from one workload address.
+        sock.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+        sock.bind((source_ip, 0))
+        sock.connect(proxy)
+    except BaseException:
+        sock.close()
+        raise
     try:
         sock.sendall(b"\x05\x01\x00")
         if _recv_exact(sock, 2) != b"\x05\x00":

@@ -7,6 +7,7 @@ later, drain strategies) act through.
 from __future__ import annotations
 
 import os
+import random
 
 from twisted.application import service
 from twisted.internet import defer
@@ -114,6 +115,7 @@ class Node(service.MultiService):
         inpod: bool = False,
         packet_mark: int | None = None,
         pod_outbound_port: int | None = 15001,
+        random_seed: int | None = None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -126,6 +128,8 @@ class Node(service.MultiService):
         self.drain_timeout = drain_timeout
         self.pod_drain_timeout = pod_drain_timeout
         self.config_source = config_source
+        #: every random choice the proxy makes (endpoints, jitter); seeded for reproducible runs
+        self.random = random.Random(random_seed)
         self.inpod = inpod
         self.pod_outbound_port = pod_outbound_port
         self.host_network = HostNetwork(reactor, mark=packet_mark)

@@ -66,6 +66,7 @@ class Options(usage.Options):
         ["pod-drain-timeout", None, 3.0, "Seconds a pod-removal drain may take (keep it under the node agent's Ack timeout).", float],
         ["inpod-uds", None, None, "In-pod mode: the node agent's ZDS socket (default when --inpod: /var/run/ztunnel/ztunnel.sock)."],
         ["packet-mark", None, None, "SO_MARK on every socket the proxy opens (default: 1337 in in-pod mode, none otherwise).", int],
+        ["random-seed", None, None, "Seed the proxy's random choices (endpoint selection, backoff jitter): for reproducible labs.", int],
         ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
         ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
     ]
@@ -202,6 +203,7 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
         strategies=config.strategies,
         keepalive=(config["keepalive-interval"], config["keepalive-timeout"]),
         inpod=bool(config["inpod"]),
+        random_seed=config["random-seed"],
         packet_mark=config["packet-mark"],
         config_source=config["config"] or "<built-in example>",
     )

@@ -110,6 +110,7 @@ class FakeNode:
 
     def __init__(self, clock, *, pod_drain_timeout: float = 3.0, drain_timeout: float = 5.0):
         self.reactor = clock
+        self.random = random.Random(108)
         self.pod_drain_timeout = pod_drain_timeout
         self.drain_timeout = drain_timeout
         self.listeners: dict[str, FakeListeners] = {}
@@ -261,6 +262,7 @@ def test_client_evict_installs_the_exponential_backoff_on_attach(node, facade):
     backoff = node.outbound.pool.connect_backoff
     assert isinstance(backoff, ExponentialBackoff)
     assert (backoff.base, backoff.cap, backoff.jitter) == (0.025, 1.0, 0.5)
+    assert backoff.rng is node.random, "the jitter follows the node's --random-seed"
 
 
 def test_exponential_backoff_is_25ms_doubling_capped_at_1s_plus_up_to_half_jitter():

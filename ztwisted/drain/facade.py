@@ -21,6 +21,11 @@ class DrainFacade:
         return self._node.reactor
 
     @property
+    def random(self):
+        """The node's random number generator (seeded with ``--random-seed``)."""
+        return self._node.random
+
+    @property
     def pod_drain_timeout(self) -> float:
         """Seconds a pod-removal drain may take (``--pod-drain-timeout``)."""
         return self._node.pod_drain_timeout

@@ -104,7 +104,7 @@ class ClientEvict(DrainStrategy):
     description = "seed option 3: retire pooled connections to removed destinations; back off failing connects"
 
     def attach(self, node) -> None:
-        node.pool.connect_backoff = ExponentialBackoff()
+        node.pool.connect_backoff = ExponentialBackoff(rng=node.random)
 
     def destination_removed(self, node, workload):
         connections = node.pool_connections(workload)

@@ -63,7 +63,7 @@ class Outbound:
             log.warn("refusing outbound connection from {source}: no local workload has that address", source=source_ip)
             raise OutboundRefused(Reply.NOT_ALLOWED, f"{source_ip} is not a local workload")
         ip = self._resolve_host(host)
-        destination = node.mesh.resolve(ip, port)
+        destination = node.mesh.resolve(ip, port, choice=node.random.choice)
         if destination.kind == "unroutable":
             raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
         target = destination.workload

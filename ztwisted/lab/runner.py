@@ -24,9 +24,7 @@ from ztwisted.lab.scenario import LabConfig, LabError, Strategy, StrategyRun
 
 #: what a seed cannot pin down, said in every result
 NOT_DETERMINISTIC = (
-    "which endpoint (B1 or B2) node A picks for each connection: ztwisted's load balancing uses an unseeded random choice",
     "timing: thread and process scheduling, so when requests start and end relative to the lifecycle events shifts by milliseconds",
-    "client-evict's connect backoff jitter (unseeded in the proxy)",
     "ephemeral ports, TLS keys and PING payloads",
 )
 

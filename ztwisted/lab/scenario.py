@@ -95,6 +95,7 @@ class LabConfig:
             "--keepalive-timeout", str(self.keepalive_timeout),
             "--pod-drain-timeout", str(self.pod_drain_timeout),
             "--drain-timeout", str(self.drain_timeout),
+            "--random-seed", str(self.seed),
         )
 
 

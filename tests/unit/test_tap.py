@@ -1,0 +1,72 @@
+"""twistd ztunnel's options and service tree, built on a fake reactor."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python import usage
+
+from ztwisted import tap
+from ztwisted.config import builtin_example_path
+
+
+def options(tmp_path, *args):
+    parsed = tap.Options()
+    parsed.parseOptions(["--state-dir", str(tmp_path / "state"), *args])
+    return parsed
+
+
+def node_of(service):
+    return service.node
+
+
+def test_random_seed_makes_the_proxys_choices_reproducible(tmp_path):
+    first = node_of(tap.makeService(options(tmp_path, "--random-seed", "5"), MemoryReactorClock()))
+    second = node_of(tap.makeService(options(tmp_path, "--random-seed", "5"), MemoryReactorClock()))
+    expected = random.Random(5)
+    draws = [first.random.random() for _ in range(3)]
+    assert draws == [second.random.random() for _ in range(3)] == [expected.random() for _ in range(3)]
+
+
+def test_defaults_follow_ztunnel(tmp_path, monkeypatch):
+    monkeypatch.delenv("TERMINATION_GRACE_PERIOD_SECONDS", raising=False)
+    monkeypatch.delenv("CONNECTION_TERMINATION_DEADLINE", raising=False)
+    parsed = options(tmp_path)
+    assert parsed["socks5"] == "tcp:15080:interface=127.0.0.1"
+    assert parsed["admin"] == "tcp:15000:interface=127.0.0.1"
+    assert (parsed["hbone-port"], parsed["inbound-plaintext-port"]) == (15008, 15006)
+    assert parsed["drain-strategy"] == "immediate"
+    assert parsed["drain-timeout"] == 5.0
+    assert parsed["packet-mark"] is None and not parsed["inpod"]
+    assert parsed.mesh.workloads, "without --config the built-in example runs"
+    assert builtin_example_path().endswith("mesh.yaml")
+
+
+@pytest.mark.parametrize("grace, expected", [("30", 25.0), ("10", 9.0), ("1", 1.0)])
+def test_drain_timeout_from_the_termination_grace_period(tmp_path, monkeypatch, grace, expected):
+    monkeypatch.delenv("CONNECTION_TERMINATION_DEADLINE", raising=False)
+    monkeypatch.setenv("TERMINATION_GRACE_PERIOD_SECONDS", grace)
+    assert options(tmp_path)["drain-timeout"] == expected
+
+
+def test_inpod_mode_marks_packets_and_uses_the_default_socket(tmp_path):
+    parsed = options(tmp_path, "--inpod")
+    assert parsed["inpod-uds"] == "/var/run/ztunnel/ztunnel.sock"
+    assert parsed["packet-mark"] == 1337
+    assert options(tmp_path, "--inpod", "--packet-mark", "0")["packet-mark"] is None
+
+
+def test_bad_values_are_usage_errors(tmp_path):
+    with pytest.raises(usage.UsageError, match="unknown drain strategy nope; installed: .*immediate"):
+        options(tmp_path, "--drain-strategy", "nope")
+    with pytest.raises(usage.UsageError, match="--log-format must be json or text"):
+        options(tmp_path, "--log-format", "xml")
+
+
+def test_a_bad_configuration_stops_start_up_with_its_errors(tmp_path):
+    bad = tmp_path / "mesh.yaml"
+    bad.write_text("workloads:\n- name: x\n  bogus: 1\n")
+    with pytest.raises(SystemExit, match=r"mesh.yaml: workloads\[0\].bogus: unknown key"):
+        options(tmp_path, "--config", str(bad))

@@ -1,7 +1,7 @@
 """Support for the in-pod end-to-end tests: pod namespaces on a private bridge, agents, nodes and apps.
 
 The topology lives entirely in namespaces the tests create (all named
-``ztw12-*``): a "network" namespace holding a Linux bridge, and one
+``ztw12-*``, or another prefix given to :class:`PodNetworkLab`): a "network" namespace holding a Linux bridge, and one
 namespace per pod joined to that bridge by a veth pair, with addresses in
 :data:`POD_SUBNET`, which exists only inside these namespaces. The host
 namespace's links, routes, sysctls and iptables are never touched; the
@@ -33,12 +33,12 @@ from ztwisted.harness import NodeProcess  # standard library only, as the apps b
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NETNS_PREFIX = "ztw12-"
-NETWORK_NS = f"{NETNS_PREFIX}net"
 BRIDGE = "br0"
 POD_SUBNET = "10.251.0.0/24"
 APP_PORT = 8080
 PACKET_MARK = 1337
 REDIRECT_PORT = 15001
+PLAINTEXT_INBOUND_PORT = 15006
 
 
 def control_ip(net: int, number: int) -> str:
@@ -71,10 +71,10 @@ def existing_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def remove_leftover_namespaces() -> None:
-    """Delete ``ztw12-*`` namespaces an earlier, interrupted run left behind."""
+def remove_leftover_namespaces(prefix: str = NETNS_PREFIX) -> None:
+    """Delete ``<prefix>*`` namespaces an earlier, interrupted run left behind."""
     for name in existing_namespaces():
-        if name.startswith(NETNS_PREFIX):
+        if name.startswith(prefix):
             _run("ip", "netns", "del", name, check=False)
 
 
@@ -89,7 +89,7 @@ class Pod:
         self.name = name
         self.namespace = "default"
         self.service_account = name
-        self.netns = f"{NETNS_PREFIX}{short}"
+        self.netns = f"{network.prefix}{short}"
         self.netns_path = f"/var/run/netns/{self.netns}"
         self.peer = f"veth-{short}"
 
@@ -98,9 +98,9 @@ class Pod:
         self.network.created.append(self.netns)
         self.network.ip("-n", self.netns, "link", "set", "lo", "up")
         # Made inside the bridge namespace, its peer straight in the pod's: the host never sees either.
-        self.network.ip("-n", NETWORK_NS, "link", "add", self.peer, "type", "veth", "peer", "name", "eth0",
+        self.network.ip("-n", self.network.bridge_netns, "link", "add", self.peer, "type", "veth", "peer", "name", "eth0",
                         "netns", self.netns)
-        self.network.ip("-n", NETWORK_NS, "link", "set", self.peer, "master", BRIDGE, "up")
+        self.network.ip("-n", self.network.bridge_netns, "link", "set", self.peer, "master", BRIDGE, "up")
         prefix = POD_SUBNET.split("/")[1]
         self.network.ip("-n", self.netns, "addr", "add", f"{self.ip}/{prefix}", "dev", "eth0")
         self.network.ip("-n", self.netns, "link", "set", "eth0", "up")
@@ -115,6 +115,20 @@ class Pod:
         """The pod's capture rule: outbound TCP, except to loopback and the proxy's own, to ``port``."""
         self.run("iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "!", "-d", "127.0.0.0/8",
                  "-m", "mark", "!", "--mark", str(mark), "-j", "REDIRECT", "--to-ports", str(port))
+
+    def _inbound_redirect_rule(self, app_port: int, port: int) -> list[str]:
+        return ["PREROUTING", "-p", "tcp", "-i", "eth0", "--dport", str(app_port), "-j", "REDIRECT",
+                "--to-ports", str(port)]
+
+    def redirect_inbound(self, app_port: int = APP_PORT, port: int = PLAINTEXT_INBOUND_PORT) -> None:
+        """Capture TCP arriving on ``eth0`` for ``app_port`` to ``port`` (plaintext inbound, 15006).
+
+        PREROUTING only: the proxy's own connection to the app is locally generated and never sees it.
+        """
+        self.run("iptables", "-w", "-t", "nat", "-A", *self._inbound_redirect_rule(app_port, port))
+
+    def stop_redirecting_inbound(self, app_port: int = APP_PORT, port: int = PLAINTEXT_INBOUND_PORT) -> None:
+        self.run("iptables", "-w", "-t", "nat", "-D", *self._inbound_redirect_rule(app_port, port))
 
     def allow_accept_queue_migration(self) -> None:
         """net.ipv4.tcp_migrate_req=1 in the pod, as docs/draining.rst advises for in-pod restarts
@@ -135,7 +149,7 @@ class Pod:
 
     def delete_veth(self) -> None:
         """The pod's network is gone (as when the CNI tears it down)."""
-        self.network.ip("-n", NETWORK_NS, "link", "del", self.peer)
+        self.network.ip("-n", self.network.bridge_netns, "link", "del", self.peer)
 
     def mesh_entry(self, node: str) -> str:
         return mesh_workload(
@@ -146,7 +160,9 @@ class Pod:
 class PodNetworkLab:
     """The bridge namespace and the pods on it; :meth:`destroy` removes every namespace it made."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = NETNS_PREFIX) -> None:
+        self.prefix = prefix
+        self.bridge_netns = f"{prefix}net"
         self.created: list[str] = []
         self.pods: dict[str, Pod] = {}
 
@@ -156,16 +172,21 @@ class PodNetworkLab:
 
     def build(self, pods: list[tuple[str, str, str, str]]) -> PodNetworkLab:
         """``pods``: (short name, ip, uid, workload name) each."""
-        self.ip("netns", "add", NETWORK_NS)
-        self.created.append(NETWORK_NS)
-        self.ip("-n", NETWORK_NS, "link", "set", "lo", "up")
-        self.ip("-n", NETWORK_NS, "link", "add", BRIDGE, "type", "bridge")
-        self.ip("-n", NETWORK_NS, "link", "set", BRIDGE, "up")
+        self.ip("netns", "add", self.bridge_netns)
+        self.created.append(self.bridge_netns)
+        self.ip("-n", self.bridge_netns, "link", "set", "lo", "up")
+        self.ip("-n", self.bridge_netns, "link", "add", BRIDGE, "type", "bridge")
+        self.ip("-n", self.bridge_netns, "link", "set", BRIDGE, "up")
         for short, ip, uid, name in pods:
-            pod = Pod(self, short, ip, uid, name)
-            pod.create()
-            self.pods[short] = pod
+            self.add_pod(short, ip, uid, name)
         return self
+
+    def add_pod(self, short: str, ip: str, uid: str, name: str) -> Pod:
+        """One more namespace on the bridge (in the mesh or not: that is up to the caller's mesh file)."""
+        pod = Pod(self, short, ip, uid, name)
+        pod.create()
+        self.pods[short] = pod
+        return pod
 
     def destroy(self) -> None:
         for name in reversed(self.created):

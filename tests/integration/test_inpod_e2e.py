@@ -9,6 +9,9 @@ listeners inside its pod's namespace. A's app connects to POD_B_IP:8080;
 the redirect sends it to node 1's 15001 in pod A, which tunnels it over
 HBONE, from pod A's namespace, to POD_B_IP:15008 (node 2, inside pod B),
 which connects to B's app.
+
+The plaintext-inbound test (5) adds a namespace outside the mesh on the same
+bridge; pod B's PREROUTING rule sends its connections to node 2's 15006.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import pytest
 from tests.integration.conftest import NET
 from tests.integration.inpod_support import (
     APP_PORT,
+    NETNS_PREFIX,
     PACKET_MARK,
+    PLAINTEXT_INBOUND_PORT,
     App,
     InpodNode,
     PodNetworkLab,
@@ -44,19 +49,26 @@ PODS = [("a", POD_A_IP, "uid-pod-a", "pod-a"), ("b", POD_B_IP, "uid-pod-b", "pod
 POD_PORTS = {15001, 15006, 15008}
 POD_A_IDENTITY = "spiffe://cluster.local/ns/default/sa/pod-a"
 POD_B_IDENTITY = "spiffe://cluster.local/ns/default/sa/pod-b"
+OUTSIDE_IP = "10.251.0.9"  # a client on the bridge that is not in the mesh
 
 
 # -- fixtures ----------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def network():
+def netns_prefix():
+    """Names of the namespaces ``network`` makes; a test may parametrize it to keep its own apart."""
+    return NETNS_PREFIX
+
+
+@pytest.fixture
+def network(netns_prefix):
     """Pods A and B on the bridge, pod A's outbound redirected to 15001; every namespace removed after."""
     reason = cannot_build_pods()
     if reason:
         pytest.skip(f"in-pod end-to-end tests skipped: {reason}")
-    remove_leftover_namespaces()
-    lab = PodNetworkLab()
+    remove_leftover_namespaces(netns_prefix)
+    lab = PodNetworkLab(netns_prefix)
     try:
         try:
             lab.build(PODS)
@@ -328,3 +340,59 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
     assert report["sent"] in [e["bytes_recv"] for e in carried]
     wait_until(lambda: len(old.agent.status()["proxies"]) == 1, timeout=POD_WAIT_SECONDS, what="the agent to see the old proxy leave")
     assert roundtrip(pod_a, POD_B_IP, APP_PORT, 50_000)["exact"]
+
+
+# -- 5. plaintext inbound: a client outside the mesh, captured to 15006 in pod B ---------------------
+
+
+@pytest.mark.parametrize("netns_prefix", ["ztw15-"])
+def test_plaintext_inbound_from_outside_the_mesh_goes_through_15006_in_pod_b(network, nodes, echo_b, apps):
+    pod_b = network.pods["b"]
+    outside = network.add_pod("out", OUTSIDE_IP, "uid-outside", "outside")  # not in the mesh file: no proxy
+    node2 = nodes(2)
+    serve_pod(node2, pod_b, check_not_ready=False)
+    assert PLAINTEXT_INBOUND_PORT in pod_listeners(pod_b)
+
+    def plaintext_opened() -> float:
+        return node2.proxy.metric("istio_tcp_connections_opened_total", reporter="destination",
+                                  connection_security_policy="unknown")
+
+    # No capture rule yet: the client reaches the app directly and node 2 never sees the connection.
+    assert roundtrip(outside, POD_B_IP, APP_PORT, 100_000)["exact"]
+    assert plaintext_opened() == 0
+    assert events(node2, scope="access") == []
+
+    pod_b.redirect_inbound()
+    report = roundtrip(outside, POD_B_IP, APP_PORT, 300_000)
+    assert report["exact"], report
+    (inn,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
+                        what="node 2's access log of the plaintext connection")
+    assert inn["dst.addr"] == f"{POD_B_IP}:{APP_PORT}" and inn["dst.workload"] == "pod-b"
+    assert inn["src.addr"].startswith(f"{OUTSIDE_IP}:"), inn
+    assert "error" not in inn and inn["outcome"] == "closed", inn
+    assert inn["bytes_sent"] == inn["bytes_recv"] == 300_000, inn
+    assert plaintext_opened() == 1
+    assert node2.proxy.metric("istio_tcp_connections_opened_total", reporter="destination",
+                              destination_workload="pod-b", connection_security_policy="unknown") == 1
+    assert node2.proxy.metric("istio_tcp_connections_opened_total",
+                              connection_security_policy="mutual_tls") == 0
+
+    # While a connection is open: the proxy's own leg to the app lives in pod B's namespace with the
+    # proxy's mark (the PREROUTING rule never applies to it: it is locally generated).
+    stream = App(outside, "stream", POD_B_IP, str(APP_PORT), "--interval", "0.02")
+    apps.append(stream)
+    assert stream.read_event().get("echoed", 0) > 0
+    (leg,) = pod_b.run("ss", "-Htne", "state", "established", "dst", f"{POD_B_IP}:{APP_PORT}").stdout.splitlines()
+    assert f"fwmark:{PACKET_MARK:#x}" in leg, leg
+    result = stream.stop()
+    assert result["exact"], result
+    wait_until(lambda: len(events(node2, scope="access", direction="inbound")) == 2, timeout=POD_WAIT_SECONDS,
+               what="node 2's access log of the streamed connection")
+    assert plaintext_opened() == 2
+
+    # The rule removed, connections bypass the proxy again: its counter stays put.
+    pod_b.stop_redirecting_inbound()
+    assert roundtrip(outside, POD_B_IP, APP_PORT, 50_000)["exact"]
+    time.sleep(0.5)
+    assert plaintext_opened() == 2
+    assert len(events(node2, scope="access")) == 2

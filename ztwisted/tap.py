@@ -83,6 +83,19 @@ class Options(usage.Options):
         super().__init__()
         self["drain-strategy"] = DEFAULT_STRATEGY
 
+    def _defaults_from_ztunnel_environment(self, environ=os.environ) -> None:
+        """ztunnel's environment variables, for options not given on the command line."""
+        if self["config"] is None and environ.get("LOCAL_XDS_PATH"):
+            self["config"] = environ["LOCAL_XDS_PATH"]
+        if self["node"] is None and environ.get("NODE_NAME"):
+            self["node"] = environ["NODE_NAME"]
+        if self["inpod-uds"] is None and environ.get("INPOD_UDS"):
+            self["inpod-uds"] = environ["INPOD_UDS"]
+        if not self["inpod"] and environ.get("INPOD_ENABLED", "").lower() == "true":
+            self["inpod"] = True
+        if self["packet-mark"] is None and environ.get("INPOD_MARK"):
+            self["packet-mark"] = int(environ["INPOD_MARK"])
+
     def opt_drain_strategy(self, spec: str) -> None:
         """Drain strategies, comma separated; `help` lists the installed ones [default: immediate]."""
         if spec == "help":
@@ -92,6 +105,7 @@ class Options(usage.Options):
         self["drain-strategy"] = spec
 
     def postOptions(self) -> None:
+        self._defaults_from_ztunnel_environment()
         try:
             self.strategies = select(self["drain-strategy"])
         except UnknownStrategy as e:

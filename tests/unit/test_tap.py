@@ -70,3 +70,20 @@ def test_a_bad_configuration_stops_start_up_with_its_errors(tmp_path):
     bad.write_text("workloads:\n- name: x\n  bogus: 1\n")
     with pytest.raises(SystemExit, match=r"mesh.yaml: workloads\[0\].bogus: unknown key"):
         options(tmp_path, "--config", str(bad))
+
+
+def test_ztunnel_environment_variables_are_defaults(tmp_path, monkeypatch):
+    config = tmp_path / "local.yaml"
+    config.write_text(open(builtin_example_path()).read())
+    monkeypatch.setenv("LOCAL_XDS_PATH", str(config))
+    monkeypatch.setenv("INPOD_ENABLED", "true")
+    monkeypatch.setenv("INPOD_UDS", str(tmp_path / "zds.sock"))
+    monkeypatch.setenv("INPOD_MARK", "99")
+    monkeypatch.setenv("NODE_NAME", "node-b")
+    parsed = options(tmp_path)
+    assert parsed["config"] == str(config)
+    assert parsed["node"] == "node-b"
+    assert parsed["inpod"] and parsed["inpod-uds"] == str(tmp_path / "zds.sock")
+    assert parsed["packet-mark"] == 99
+    # The command line wins.
+    assert options(tmp_path, "--packet-mark", "7")["packet-mark"] == 7

@@ -533,25 +533,32 @@ def test_rapid_reset_in_one_chunk_counts_once():
     assert link.transport.calls == ["abortConnection"]
 
 
-def test_peer_ignoring_max_concurrent_streams_is_a_connection_error():
-    link = Link(client=False, settings=H2Settings.server(max_concurrent_streams=2), handler=None)
+def test_peer_ignoring_max_concurrent_streams_gets_the_extra_stream_refused():
+    link = Link(client=False, settings=H2Settings.server(max_concurrent_streams=2))
     assert link.peer.remote_settings.max_concurrent_streams == 2
     # The peer ignores what we announced.
     link.peer.remote_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = 100
     link.peer.remote_settings.acknowledge()
-    link.peer_connect()
+    first = link.peer_connect()
     link.peer_connect()
     link.to_ours()
     assert len(link.requests) == 2 and link.limits == []
-    link.peer_connect()
+    link.from_ours()
+    third = link.peer_connect()
     link.to_ours()
+    # RFC 9113 section 5.1.2: a stream error, not a connection error.
     assert link.limits == ["max-concurrent-streams"]
-    frames = kinds(link.from_ours())
-    assert frames[-1][0] == "GOAWAY" and frames[-1][2] == PROTOCOL_ERROR
-    assert link.transport.calls == ["abortConnection"]
-    link.lose()
-    assert link.conn.ended_by == "protocol-error"
-    assert all(stream.done for stream in link.requests)
+    assert kinds(link.from_ours()) == [("RST_STREAM", third, REFUSED_STREAM)]
+    assert link.transport.calls == []
+    assert link.conn.ended_by is None
+    # The streams within the limit go on, and a stream is accepted again once one ended.
+    link.requests[0].write(b"still here")
+    assert [f.data for f in link.from_ours() if isinstance(f, DataFrame) and f.stream_id == first] == [b"still here"]
+    link.requests[0].reset()
+    link.from_ours()
+    fourth = link.peer_connect()
+    link.to_ours()
+    assert link.requests[-1].stream_id == fourth and not link.requests[-1].done
 
 
 def test_oversized_header_list_is_a_connection_error():

@@ -378,6 +378,8 @@ class HBONEConnection(Protocol):
         self._connected = True
         s = self.settings
         self.h2.initiate_connection()
+        if not self.client:
+            self._let_h2_accept_any_number_of_streams()
         self.h2.update_settings(
             {
                 h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window,
@@ -730,14 +732,38 @@ class HBONEConnection(Protocol):
         elif isinstance(event, h2.events.ConnectionTerminated):
             # Only reached if h2 itself ends the connection; GOAWAY frames are filtered.
             self.abort_connection("protocol-error")
+        elif isinstance(event, h2.events.SettingsAcknowledged):
+            if not self.client:
+                self._let_h2_accept_any_number_of_streams()
         elif isinstance(event, h2.events.TrailersReceived):
             pass
+
+    def _let_h2_accept_any_number_of_streams(self) -> None:
+        """h2 treats a stream beyond MAX_CONCURRENT_STREAMS as a connection error, raised
+        before the header block is decoded; RFC 9113 section 5.1.2 wants a stream error,
+        which :meth:`_request_received` applies. So h2's own copy of the setting stays at
+        the maximum; what we announce to the peer is unchanged. Only call this with no
+        other local setting waiting for the peer's ACK."""
+        local = self.h2.local_settings
+        local[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = 2**31 - 1
+        local.acknowledge()
 
     def _request_received(self, event) -> None:
         _cancel(self._idle_timer)
         headers = dict(event.headers)
+        over_limit = len(self.streams) >= self.settings.max_concurrent_streams
         stream = Stream(self, event.stream_id, headers)
         self.streams[event.stream_id] = stream
+        if over_limit:
+            self.log.info(
+                "refusing stream {id} from {peer}: {limit} streams are open already",
+                id=event.stream_id,
+                peer=self._peer_text(),
+                limit=self.settings.max_concurrent_streams,
+            )
+            self._limit_hit("max-concurrent-streams", f"stream {event.stream_id}")
+            stream.reset(h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
         if self.goaway_sent_last_stream_id is not None and event.stream_id > self.goaway_sent_last_stream_id:
             stream.reset(h2.errors.ErrorCodes.REFUSED_STREAM)
             return

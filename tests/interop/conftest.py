@@ -161,6 +161,21 @@ def wait_for_metric(node: NodeProcess, name: str, expected: float, timeout: floa
         time.sleep(0.1)
 
 
+def assert_peer_client_counted(node: NodeProcess) -> None:
+    """ztwisted's inbound named the peer client by its certificate and address in istio_tcp_* metrics."""
+    opened = wait_for_metric(
+        node,
+        "istio_tcp_connections_opened_total",
+        1,
+        reporter="destination",
+        source_workload="peer-client",
+        source_principal=str(PEER_CLIENT_ID),
+        destination_workload="echo",
+        connection_security_policy="mutual_tls",
+    )
+    assert opened == 1
+
+
 # -- process bookkeeping and failure reports --------------------------------------
 
 

@@ -28,6 +28,7 @@ from tests.interop.conftest import (
     TRUST_DOMAIN,
     ZT_CLIENT_IP,
     ZT_ECHO_IP,
+    assert_peer_client_counted,
     describe_mismatch,
     echo_through,
     lockstep_echo,
@@ -122,17 +123,7 @@ def test_envoy_client_tunnels_through_inbound_byte_exact(ztwisted_node, zt_echo_
     assert entry["bytes_sent"] == PAYLOAD_SIZE and entry["bytes_received"] == PAYLOAD_SIZE
     assert stat(envoy, "cluster.hbone.upstream_cx_total") == 1
 
-    opened = wait_for_metric(
-        ztwisted_node,
-        "istio_tcp_connections_opened_total",
-        1,
-        reporter="destination",
-        source_workload="peer-client",
-        source_principal=str(PEER_CLIENT_ID),
-        destination_workload="echo",
-        connection_security_policy="mutual_tls",
-    )
-    assert opened == 1
+    assert_peer_client_counted(ztwisted_node)
 
 
 def test_envoy_client_multiplexes_concurrent_tunnels(ztwisted_node, zt_echo_app, envoy_peer, credentials):

@@ -22,6 +22,7 @@ from tests.interop.conftest import (
     PEER_SERVER_IP,
     ZT_CLIENT_IP,
     ZT_ECHO_IP,
+    assert_peer_client_counted,
     describe_mismatch,
     echo_through,
     identity,
@@ -93,17 +94,7 @@ def test_node_client_tunnels_through_inbound_byte_exact(ztwisted_node, zt_echo_a
     assert [t["status"] for t in run.peer.events("done")[0]["tunnels"]] == [200]
 
     # ztwisted identified the Node.js peer by its certificate and its source address.
-    opened = wait_for_metric(
-        ztwisted_node,
-        "istio_tcp_connections_opened_total",
-        1,
-        reporter="destination",
-        source_workload="peer-client",
-        source_principal=str(PEER_CLIENT_ID),
-        destination_workload="echo",
-        connection_security_policy="mutual_tls",
-    )
-    assert opened == 1
+    assert_peer_client_counted(ztwisted_node)
 
 
 def test_node_client_multiplexes_tunnels_on_one_connection(ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path):

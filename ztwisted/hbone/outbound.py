@@ -213,28 +213,23 @@ def _baggage(workload) -> str:
 
 
 class _TrackedSocks5(Socks5Protocol):
-    def __init__(self, live: LiveConnections, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._live = live
+    """A SOCKS5 client the proxy drain waits for (its factory's ``live`` set)."""
 
     def connectionMade(self) -> None:
-        self._live.add(self)
+        self.factory.live.add(self)
         super().connectionMade()
 
     def connectionLost(self, reason=connectionDone) -> None:
         super().connectionLost(reason)
-        self._live.remove(self)
+        self.factory.live.remove(self)
 
 
 class _TrackedSocks5Factory(Socks5Factory):
+    protocol = _TrackedSocks5
+
     def __init__(self, live: LiveConnections, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.live = live
-
-    def buildProtocol(self, addr):
-        protocol = _TrackedSocks5(self.live, self.connect_request, self.clock, self.on_error, self.handshake_timeout)
-        protocol.factory = self
-        return protocol
 
 
 class _RedirectFactory(Factory):

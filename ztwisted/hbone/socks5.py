@@ -444,8 +444,10 @@ class Socks5Factory(Factory):
         self.on_error = on_error
         self.handshake_timeout = handshake_timeout
 
+    protocol = Socks5Protocol
+
     def buildProtocol(self, addr: Any) -> Socks5Protocol:
-        protocol = Socks5Protocol(self.connect_request, self.clock, self.on_error,
-                                  self.handshake_timeout)
+        protocol = self.protocol(self.connect_request, self.clock, self.on_error,
+                                 self.handshake_timeout)
         protocol.factory = self
         return protocol

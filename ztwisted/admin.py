@@ -1,9 +1,9 @@
 """HTTP resources for the admin (15000), metrics (15020) and readiness (15021) ports.
 
 Each ``*_resource`` function returns the root of one tree; serve each with
-its own ``twisted.web.server.Site``. The node is duck-typed: admin uses
-``config_dump()``, ``quit()`` and optionally ``admin_routes()``; readiness
-uses ``readiness()``.
+its own ``twisted.web.server.Site``. The admin tree acts through
+:class:`AdminActions` (or any object with ``config_dump()``, ``quit()`` and
+optionally ``admin_routes()``); readiness asks ``readiness()``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -22,6 +23,18 @@ log = Logger()
 
 TEXT = b"text/plain; charset=utf-8"
 JSON = b"application/json"
+
+
+@attrs.frozen
+class AdminActions:
+    """What the admin endpoints act through."""
+
+    #: the ``/config_dump`` document
+    config_dump: Callable[[], dict]
+    #: ``POST /quitquitquit``: stop the process the way SIGTERM does
+    quit: Callable[[], object]
+    #: extra routes, path -> resource, asked per request
+    admin_routes: Callable[[], Mapping[str, IResource]] = dict
 
 
 def _path(request: Request) -> str:

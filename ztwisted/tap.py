@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 
+import attrs
 from twisted.application import service
 from twisted.internet import reactor as global_reactor
 from twisted.logger import ILogObserver, Logger
@@ -13,14 +15,24 @@ from twisted.python import usage
 from twisted.web.server import Site
 
 from ztwisted import __version__
-from ztwisted.admin import admin_resource, metrics_resource, readiness_resource
-from ztwisted.ca import CAError, CertificateAuthority
+from ztwisted.admin import AdminActions, admin_resource, metrics_resource, readiness_resource
+from ztwisted.ca import CAError, CertificateAuthority, CertificateStore
 from ztwisted.config import ConfigError, ConfigWatcher, builtin_example_path, load_config
+from ztwisted.context import NodeSettings, ProxyContext
+from ztwisted.drain.admin import drain_admin_routes
+from ztwisted.drain.controller import DrainController, drain_timeout_from_environment
+from ztwisted.drain.facade import DrainDeadline
 from ztwisted.drain.registry import DEFAULT_STRATEGY, UnknownStrategy, describe, select
+from ztwisted.dump import ConfigDump
 from ztwisted.logs import observer_for
 from ztwisted.metrics import Metrics
-from ztwisted.node import Node, drain_timeout_from_environment
+from ztwisted.network import HostNetwork
+from ztwisted.node import Node
+from ztwisted.readiness import Readiness
+from ztwisted.reconcile import MeshReconciler
 from ztwisted.sockets import allow_accept_queue_migration, listener_service
+from ztwisted.view import NodeView
+from ztwisted.workloads import LocalWorkloads
 
 log = Logger()
 
@@ -151,14 +163,20 @@ class ProxyService(service.MultiService):
     """The root service: picks the log format when twistd attaches it to the application, and
     makes a second SIGTERM/SIGINT during the drain stop at once."""
 
-    def __init__(self, log_format: str, reactor):
+    def __init__(self, log_format: str, reactor, proxy: Proxy):
         super().__init__()
         self.log_format = log_format
         self.reactor = reactor
-        self.node: Node | None = None
+        self.proxy = proxy
+        self._stopping = False
 
     def startService(self):
         super().startService()
+        log.info(
+            "node proxy ready: {count} local workloads, drain strategies {strategies}",
+            count=len(self.proxy.node.workloads.all()),
+            strategies=self.proxy.drain.coordinator.names,
+        )
         if self.reactor is global_reactor:
             # After the reactor installed its own handlers, which stay in charge of the first signal.
             self.reactor.callLater(0, self._chain_signal_handlers)
@@ -167,15 +185,13 @@ class ProxyService(service.MultiService):
         self._stopping = True
         return super().stopService()
 
-    _stopping = False
-
     def _chain_signal_handlers(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous = signal.getsignal(signum)
 
             def handler(number, frame, previous=previous):
-                if self._stopping and self.node is not None:
-                    self.reactor.callFromThread(self.node.stop_now)
+                if self._stopping:
+                    self.reactor.callFromThread(self.proxy.drain.stop_now)
                 elif callable(previous):
                     previous(number, frame)
 
@@ -200,59 +216,94 @@ class _ConfigWatchService(service.Service):
         return super().stopService()
 
 
-def makeService(config: Options, reactor=global_reactor) -> service.IService:
-    metrics = Metrics()
-    root = ProxyService(config["log-format"], reactor)
-    node = Node(
-        reactor,
-        mesh=config.mesh,
-        node_name=config["node"],
-        certificate_authority=config.certificate_authority,
-        metrics=metrics,
+@attrs.define
+class Proxy:
+    """One node proxy, composed: the node, its drain layer on top, and what admin shows."""
+
+    node: Node
+    view: NodeView
+    drain: DrainController
+    readiness: Readiness
+    config_dump: ConfigDump
+
+
+def compose(config: Options, metrics: Metrics, reactor) -> Proxy:
+    """The node (listeners, pool) and the drain controller above it, wired through the node's view."""
+    settings = NodeSettings(
         hbone_port=config["hbone-port"],
         plaintext_port=config["inbound-plaintext-port"],
         connect_timeout=config["connect-timeout"],
-        drain_timeout=config["drain-timeout"],
-        pod_drain_timeout=config["pod-drain-timeout"],
-        strategies=config.strategies,
         keepalive=(config["keepalive-interval"], config["keepalive-timeout"]),
-        inpod=bool(config["inpod"]),
-        random_seed=config["random-seed"],
-        packet_mark=config["packet-mark"],
-        config_source=config["config"] or "<built-in example>",
     )
-    node.setServiceParent(root)
-    root.node = node
+    host = HostNetwork(reactor, mark=config["packet-mark"])
+    workloads = LocalWorkloads(config.mesh, config["node"], host, inpod=bool(config["inpod"]))
+    certificates = CertificateStore(config.certificate_authority, reactor)
+    context = ProxyContext(reactor, metrics, certificates, workloads, settings, random.Random(config["random-seed"]))
+    readiness = Readiness()
+    node = Node(context, readiness)
+    view = NodeView(node)
+    deadline = DrainDeadline(reactor, config["drain-timeout"], config["pod-drain-timeout"])
+    drain = DrainController(view, config.strategies, metrics, deadline, readiness)
+    drain.setServiceParent(node)
+    dump = ConfigDump(node, view, config["node"], config["config"] or "<built-in example>")
+    return Proxy(node, view, drain, readiness, dump)
+
+
+def _listen(config: Options, proxy: Proxy, metrics: Metrics, reactor) -> None:
+    """The node-wide listeners, as children of the node."""
     if not allow_accept_queue_migration():
         log.info("could not set net.ipv4.tcp_migrate_req=1: a restart may reset connections waiting in accept queues")
+    outbound = proxy.node.outbound
+    admin = AdminActions(
+        config_dump=proxy.config_dump,
+        quit=reactor.stop,
+        admin_routes=lambda: drain_admin_routes(proxy.view, proxy.drain),
+    )
     for description, factory in [
-        (config["socks5"], node.outbound.socks5_factory()),
-        (config["outbound"], node.outbound.redirect_factory()),
-        (config["admin"], Site(admin_resource(node, reactor))),
+        (config["socks5"], outbound.socks5_factory()),
+        (config["outbound"], outbound.redirect_factory()),
+        (config["admin"], Site(admin_resource(admin, reactor))),
         (config["metrics"], Site(metrics_resource(metrics))),
-        (config["readiness"], Site(readiness_resource(node))),
+        (config["readiness"], Site(readiness_resource(proxy.readiness))),
     ]:
         if description and description != "none":
-            listener_service(description, factory, reactor).setServiceParent(node)
+            listener_service(description, factory, reactor).setServiceParent(proxy.node)
+
+
+def _serve_node_agent(config: Options, proxy: Proxy, metrics: Metrics, root, reactor) -> None:
+    from ztwisted.inpod.client import ZdsClient
+    from ztwisted.inpod.proxies import PodProxies
+
+    zds = ZdsClient(reactor, config["inpod-uds"], PodProxies(proxy.node, proxy.drain), metrics)
+    zds.setServiceParent(root)
+    proxy.readiness.checks.append(lambda: [] if zds.ready() else ["node agent snapshot", *sorted(zds.pending())])
+    proxy.config_dump.sections["inpod"] = zds.status
+
+
+def _watch_config(config: Options, proxy: Proxy, metrics: Metrics, root, reactor) -> None:
+    reconciler = MeshReconciler(proxy.node, proxy.drain)
+
+    def reloaded(mesh):
+        metrics.config_reloads.inc()
+        log.info("configuration reloaded from {path}", path=config["config"])
+        reconciler.apply_mesh(mesh)
+
+    def rejected(error):
+        metrics.config_reload_errors.inc()
+        log.error("configuration change rejected, keeping the last good one: {error}", error=str(error))
+
+    watcher = ConfigWatcher(config["config"], reloaded, rejected, reactor, current=config.mesh)
+    _ConfigWatchService(watcher).setServiceParent(root)
+
+
+def makeService(config: Options, reactor=global_reactor) -> service.IService:
+    metrics = Metrics()
+    proxy = compose(config, metrics, reactor)
+    root = ProxyService(config["log-format"], reactor, proxy)
+    proxy.node.setServiceParent(root)
+    _listen(config, proxy, metrics, reactor)
     if config["inpod"]:
-        from ztwisted.inpod.client import ZdsClient
-        from ztwisted.inpod.proxies import PodProxies
-
-        zds = ZdsClient(reactor, config["inpod-uds"], PodProxies(node), metrics)
-        zds.setServiceParent(root)
-        node.readiness_checks.append(lambda: [] if zds.ready() else ["node agent snapshot", *sorted(zds.pending())])
-        node.dump_sections["inpod"] = zds.status
+        _serve_node_agent(config, proxy, metrics, root, reactor)
     if config["config"]:
-
-        def reloaded(mesh):
-            metrics.config_reloads.inc()
-            log.info("configuration reloaded from {path}", path=config["config"])
-            node.apply_mesh(mesh)
-
-        def rejected(error):
-            metrics.config_reload_errors.inc()
-            log.error("configuration change rejected, keeping the last good one: {error}", error=str(error))
-
-        watcher = ConfigWatcher(config["config"], reloaded, rejected, reactor, current=config.mesh)
-        _ConfigWatchService(watcher).setServiceParent(root)
+        _watch_config(config, proxy, metrics, root, reactor)
     return root

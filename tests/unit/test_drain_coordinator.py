@@ -1,7 +1,7 @@
 """The drain coordinator, each built-in strategy, and the pool's connect backoff, on fakes and a task.Clock.
 
-Strategies act through a real :class:`DrainFacade` over a small fake node
-whose outbound pool is a real :class:`ConnectionPool`; connections are fakes
+Strategies act through a real :class:`DrainFacade` and :class:`NodeView` over a
+small fake node whose outbound pool is a real :class:`ConnectionPool`; connections are fakes
 that record ``drain(graceful, deadline)`` calls and end when the test says so.
 """
 
@@ -17,9 +17,11 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import globalLogPublisher
 
-from ztwisted.ca import CertificateAuthority
+from ztwisted.ca import CertificateAuthority, CertificateStore
+from ztwisted.context import ProxyContext
+from ztwisted.drain.controller import POD_DRAIN_GRACE, DrainController
 from ztwisted.drain.coordinator import DrainCoordinator
-from ztwisted.drain.facade import DrainFacade
+from ztwisted.drain.facade import DrainDeadline, DrainFacade
 from ztwisted.drain.strategies import (
     ClientEvict,
     DrainStrategy,
@@ -33,7 +35,11 @@ from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.hbone.tracking import LiveConnections
 from ztwisted.metrics import Metrics
 from ztwisted.model import Mesh, Workload
-from ztwisted.node import POD_DRAIN_GRACE, Node
+from ztwisted.network import HostNetwork
+from ztwisted.node import Node
+from ztwisted.readiness import Readiness
+from ztwisted.view import NodeView
+from ztwisted.workloads import LocalWorkloads
 
 POD = Workload(uid="c//v1/Pod/default/echo", name="echo", namespace="default", workload_ips=["10.0.1.1"], node="n")
 OTHER_POD = Workload(uid="c//v1/Pod/default/other", name="other", namespace="default", workload_ips=["10.0.1.2"], node="n")
@@ -101,22 +107,22 @@ class FakeListeners:
         self.stopped += 1
         return defer.succeed(None)
 
-    def drain(self, graceful, deadline):
-        return defer.gatherResults([c.drain(graceful=graceful, deadline=deadline) for c in list(self.hbone.connections)])
-
 
 class FakeNode:
-    """The node attributes DrainFacade reads; the pool is a real ConnectionPool over fake connections."""
+    """The node attributes NodeView reads; the pool is a real ConnectionPool over fake connections."""
 
     def __init__(self, clock, *, pod_drain_timeout: float = 3.0, drain_timeout: float = 5.0):
-        self.reactor = clock
-        self.random = random.Random(108)
-        self.pod_drain_timeout = pod_drain_timeout
-        self.drain_timeout = drain_timeout
+        self.context = SimpleNamespace(reactor=clock, random=random.Random(108))
+        self.random = self.context.random
+        self.deadline = DrainDeadline(clock, drain_timeout, pod_drain_timeout)
         self.listeners: dict[str, FakeListeners] = {}
+        self.workloads = SimpleNamespace(all=lambda: tuple(listeners.workload for listeners in self.listeners.values()))
         self.opened: list[FakeConnection] = []
-        self.outbound = SimpleNamespace(pool=ConnectionPool(clock, self._connect))
-        self._drain_deadline: float | None = None
+        self.outbound = SimpleNamespace(pool=ConnectionPool(clock, self._connect), app_connections=LiveConnections())
+
+    @property
+    def reactor(self):
+        return self.context.reactor
 
     def _connect(self, key: PoolKey) -> defer.Deferred:
         connection = FakeConnection(self.reactor, f"{key.source_ip}->{key.destination[0]}")
@@ -136,15 +142,11 @@ class FakeNode:
         return self.opened[-1]
 
     def start_proxy_drain(self) -> None:
-        self._drain_deadline = self.reactor.seconds() + self.drain_timeout
+        self.deadline.start()
 
-    def drain_time_left(self) -> float:
-        if self._drain_deadline is None:
-            return self.drain_timeout
-        return max(0.0, self._drain_deadline - self.reactor.seconds())
 
-    def local_workloads(self):
-        return tuple(listeners.workload for listeners in self.listeners.values())
+def facade_of(node: FakeNode) -> DrainFacade:
+    return DrainFacade(NodeView(node), node.deadline)
 
 
 @pytest.fixture
@@ -159,7 +161,7 @@ def node(clock):
 
 @pytest.fixture
 def facade(node):
-    return DrainFacade(node)
+    return facade_of(node)
 
 
 def no_drains(*connections) -> bool:
@@ -227,7 +229,7 @@ def test_goaway_on_start_leaves_pod_removal_to_the_node(node, facade):
 
 def test_last_mile_stops_listening_and_drains_inbound_and_the_pods_own_pool_with_the_pod_deadline(clock):
     node = FakeNode(clock, pod_drain_timeout=2.5)
-    facade = DrainFacade(node)
+    facade = facade_of(node)
     a, b = node.serve(POD, 2)
     (other_inbound,) = node.serve(OTHER_POD, 1)
     own = node.pooled(POD, REMOTE)
@@ -315,7 +317,7 @@ def test_a_retired_connection_is_not_handed_out_again(node, facade):
 
 def test_gradual_spreads_graceful_drains_over_80_percent_of_the_time_left(clock):
     node = FakeNode(clock, drain_timeout=10.0)
-    facade = DrainFacade(node)
+    facade = facade_of(node)
     connections = node.serve(POD, 2) + node.serve(OTHER_POD, 1) + [node.pooled(POD, REMOTE)]
     clock.advance(100)
     node.start_proxy_drain()
@@ -338,7 +340,7 @@ def test_gradual_spreads_graceful_drains_over_80_percent_of_the_time_left(clock)
 
 def test_gradual_uses_the_time_left_when_the_event_arrives(clock):
     node = FakeNode(clock, drain_timeout=10.0)
-    facade = DrainFacade(node)
+    facade = facade_of(node)
     connections = node.serve(POD, 2)
     node.start_proxy_drain()
     clock.advance(5)  # other strategies or the admin took half of the window already
@@ -355,7 +357,7 @@ def test_gradual_order_is_random(clock):
     def first_drained(seed):
         node = FakeNode(clock, drain_timeout=10.0)
         connections = sorted(node.serve(POD, 6), key=lambda c: c.name)
-        Gradual(rng=random.Random(seed)).proxy_stopping(DrainFacade(node))
+        Gradual(rng=random.Random(seed)).proxy_stopping(facade_of(node))
         clock.advance(0)
         return next(c.name for c in connections if c.drains)
 
@@ -552,25 +554,32 @@ def certificate_authority(tmp_path_factory):
     return CertificateAuthority.load_or_create_dev(tmp_path_factory.mktemp("ca"))
 
 
+class RealNode:
+    """A real Node, its view and its drain controller, on a memory reactor."""
+
+    def __init__(self, certificate_authority, strategies, *, drain_timeout=5.0, pod_drain_timeout=3.0):
+        self.reactor = MemoryReactorClock()
+        workloads = LocalWorkloads(Mesh([POD], [], []), "n", HostNetwork(self.reactor))
+        certificates = CertificateStore(certificate_authority, self.reactor)
+        self.node = Node(ProxyContext(self.reactor, Metrics(), certificates, workloads))
+        deadline = DrainDeadline(self.reactor, drain_timeout, pod_drain_timeout)
+        self.drain = DrainController(NodeView(self.node), strategies, Metrics(), deadline, Readiness())
+
+    @property
+    def listeners(self):
+        return self.node.listeners
+
+
 def real_node(certificate_authority, strategies, **options):
-    reactor = MemoryReactorClock()
-    node = Node(
-        reactor,
-        mesh=Mesh([POD], [], []),
-        node_name="n",
-        certificate_authority=certificate_authority,
-        metrics=Metrics(),
-        strategies=strategies,
-        **options,
-    )
-    return node, reactor
+    node = RealNode(certificate_authority, strategies, **options)
+    return node, node.reactor
 
 
 def test_the_node_closes_what_a_strategy_leaves_after_pod_removed(certificate_authority):
     node, reactor = real_node(certificate_authority, [GoawayOnStart()])
     (connection,) = connections = [FakeConnection(reactor)]
     listeners = node.listeners[POD.uid] = FakeListeners(POD, connections)
-    removed = node.remove_pod(POD)
+    removed = node.drain.pod_removed(POD)
     assert listeners.stopped == 1
     assert connection.drains == [DrainCall(0, False, None)]
     connection.end("abrupt")
@@ -582,7 +591,7 @@ def test_the_node_drains_everything_with_the_time_left_after_proxy_stopping(cert
     node, reactor = real_node(certificate_authority, [Gradual(rng=random.Random(1))], drain_timeout=10.0)
     connections = [FakeConnection(reactor, str(i)) for i in range(2)]
     node.listeners[POD.uid] = FakeListeners(POD, connections)
-    drained = node.begin_proxy_drain()
+    drained = node.drain.begin_proxy_drain()
     reactor.advance(0)
     reactor.advance(4)  # the second GOAWAY is sent at 0.8 * 10 s / 2
     for connection in connections:
@@ -594,7 +603,7 @@ def test_the_node_drains_everything_with_the_time_left_after_proxy_stopping(cert
 
 def test_proxy_drain_ends_at_the_drain_deadline_even_if_a_strategy_never_completes(certificate_authority):
     node, reactor = real_node(certificate_authority, [Hanging()], drain_timeout=5.0)
-    drained = node.begin_proxy_drain()
+    drained = node.drain.begin_proxy_drain()
     reactor.advance(5.0)
     assert drained.called
 
@@ -603,7 +612,7 @@ def test_pod_removal_ends_at_the_pod_drain_timeout_even_if_a_strategy_never_comp
     node, reactor = real_node(certificate_authority, [Hanging()], pod_drain_timeout=3.0)
     (connection,) = connections = [FakeConnection(reactor)]
     node.listeners[POD.uid] = FakeListeners(POD, connections)
-    removed = node.remove_pod(POD)
+    removed = node.drain.pod_removed(POD)
     reactor.advance(3.0)
     assert connection.drains == []  # the strategy's own deadline comes first
     reactor.advance(POD_DRAIN_GRACE)
@@ -616,10 +625,10 @@ def test_a_second_signal_ends_the_proxy_drain_at_once_even_during_gradual(certif
     node, reactor = real_node(certificate_authority, [Gradual(rng=random.Random(1))], drain_timeout=10.0)
     connections = [FakeConnection(reactor, str(i)) for i in range(4)]
     node.listeners[POD.uid] = FakeListeners(POD, connections)
-    drained = node.begin_proxy_drain()
+    drained = node.drain.begin_proxy_drain()
     reactor.advance(0)
     reactor.advance(1)
-    node.stop_now()
+    node.drain.stop_now()
     assert all(c.drains[-1].graceful is False for c in connections)
     for connection in connections:
         connection.end("abrupt")

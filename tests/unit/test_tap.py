@@ -19,7 +19,7 @@ def options(tmp_path, *args):
 
 
 def node_of(service):
-    return service.node
+    return service.proxy.view
 
 
 def test_random_seed_makes_the_proxys_choices_reproducible(tmp_path):

@@ -7,6 +7,7 @@ from twisted.logger import Logger
 from twisted.web.server import NOT_DONE_YET
 
 from ztwisted.admin import TEXT, Endpoint
+from ztwisted.interfaces import IDrainEvents, IDrainView
 
 log = Logger()
 
@@ -15,13 +16,13 @@ class Drain(Endpoint):
     description = "POST: start the proxy-stopping drain (stop accepting, GOAWAY, wait); the process stays up"
     allowed_methods = (b"POST",)
 
-    def __init__(self, node):
+    def __init__(self, events: IDrainEvents):
         super().__init__()
-        self.node = node
+        self.events = events
 
     def render_POST(self, request) -> bytes:
         log.info("drain requested via POST /drain from {client}", client=request.getClientAddress())
-        self.node.begin_proxy_drain()
+        self.events.begin_proxy_drain()
         request.setHeader(b"Content-Type", TEXT)
         return b"draining\n"
 
@@ -36,9 +37,10 @@ class Workloads(Endpoint):
     description = "DELETE <uid>: pod removed; POST <uid>/terminating: pod terminating (local-config mode)"
     allowed_methods = (b"POST", b"DELETE")
 
-    def __init__(self, node):
+    def __init__(self, view: IDrainView, events: IDrainEvents):
         super().__init__()
-        self.node = node
+        self.view = view
+        self.events = events
 
     def render(self, request):
         segments = [segment.decode("utf-8", "replace") for segment in request.postpath if segment]
@@ -51,11 +53,11 @@ class Workloads(Endpoint):
         if request.method != method:
             request.setHeader(b"Allow", method)
             return self._answer(request, 405, f"use {method.decode()} for pod {event}\n")
-        workload = self.node.local_workload(who)
+        workload = self.view.local_workload(who)
         if workload is None:
             return self._answer(request, 404, f"no local workload {who!r}\n")
         log.info("pod {event} for {workload} requested via the admin API", event=event, workload=workload.name)
-        done = self.node.pod_terminating(workload) if event == "terminating" else self.node.remove_pod(workload)
+        done = self.events.pod_terminating(workload) if event == "terminating" else self.events.pod_removed(workload)
 
         def finish(_):
             if not request.finished and not request._disconnected:
@@ -73,5 +75,5 @@ class Workloads(Endpoint):
         return text.encode()
 
 
-def drain_admin_routes(node) -> dict:
-    return {"/drain": Drain(node), "/workloads": Workloads(node)}
+def drain_admin_routes(view: IDrainView, events: IDrainEvents) -> dict:
+    return {"/drain": Drain(events), "/workloads": Workloads(view, events)}

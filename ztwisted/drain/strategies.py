@@ -104,12 +104,12 @@ class ClientEvict(DrainStrategy):
     description = "seed option 3: retire pooled connections to removed destinations; back off failing connects"
 
     def attach(self, node) -> None:
-        node.pool.connect_backoff = ExponentialBackoff(rng=node.random)
+        node.connect_backoff = ExponentialBackoff(rng=node.random)
 
     def destination_removed(self, node, workload):
         connections = node.pool_connections(workload)
         for connection in connections:
-            node.pool.retire(connection)
+            node.retire(connection)
         log.info("retired {count} pooled connections to removed {workload}", count=len(connections), workload=workload.name)
 
 

@@ -9,6 +9,7 @@ from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from ztwisted.authz import authorize
+from ztwisted.context import ProxyContext
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
@@ -60,24 +61,24 @@ def _inbound_service(mesh, workload, port: int):
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
-    def __init__(self, node, workload, network):
-        self.node = node
+    def __init__(self, context: ProxyContext, workload, network):
+        self.context = context
         self.workload = workload
         self.network = network
         self.connections: set[HBONEConnection] = set()
-        self._tls = ServerTLS(lambda: node.certificates.get(workload.identity), trust_domain=workload.trust_domain)
+        self._tls = ServerTLS(lambda: context.certificates.get(workload.identity), trust_domain=workload.trust_domain)
 
     def factory(self) -> TLSMemoryBIOFactory:
         return TLSMemoryBIOFactory(self._tls, False, _ConnectionFactory(self))
 
     def _connection_made(self, connection: HBONEConnection) -> None:
-        track_hbone_connection(self.node.metrics, connection, "inbound")
+        track_hbone_connection(self.context.metrics, connection, "inbound")
         self.connections.add(connection)
         connection.closed.addBoth(lambda reason: self.connections.discard(connection))
         connection.ready.addErrback(self._handshake_failed, connection)
 
     def _handshake_failed(self, failure, connection: HBONEConnection) -> None:
-        self.node.metrics.tls_handshake_failures.labels(reason="inbound").inc()
+        self.context.metrics.tls_handshake_failures.labels(reason="inbound").inc()
         log.info(
             "inbound TLS handshake to {workload} from {peer} failed: {why}",
             workload=self.workload.name,
@@ -86,7 +87,7 @@ class InboundHBONE:
         )
 
     def _tunnel_requested(self, connection: HBONEConnection, stream: Stream) -> None:
-        mesh = self.node.mesh
+        mesh = self.context.mesh
         authority = stream.headers.get(":authority", "")
         peer = connection.transport.getPeer()
         source_ip = peer.host
@@ -94,8 +95,8 @@ class InboundHBONE:
         target = parse_authority(authority)
         service = _inbound_service(mesh, self.workload, target[1]) if target is not None else None
         record = ConnectionRecord(
-            self.node.metrics,
-            self.node.reactor,
+            self.context.metrics,
+            self.context.reactor,
             ConnectionLabels.for_connection(
                 "destination",
                 source=mesh.workload_by_ip(source_ip),
@@ -138,7 +139,7 @@ class InboundHBONE:
             stream.refuse(401)
             return
         app = TCPEnd()
-        connecting = self.network.connect(ip, port, factory_for(app), timeout=self.node.connect_timeout)
+        connecting = self.network.connect(ip, port, factory_for(app), timeout=self.context.connect_timeout)
 
         def connected(_):
             if stream.done:
@@ -160,11 +161,11 @@ class _ConnectionFactory(Factory):
         self.inbound = inbound
 
     def buildProtocol(self, addr):
-        node = self.inbound.node
+        context = self.inbound.context
         connection = HBONEConnection(
             client=False,
-            clock=node.reactor,
-            settings=node.server_h2_settings,
+            clock=context.reactor,
+            settings=context.server_h2_settings,
             on_tunnel_request=self.inbound._tunnel_requested,
             get_peer_identity=peer_identity,
         )
@@ -175,8 +176,8 @@ class _ConnectionFactory(Factory):
 class InboundPlaintext(Factory):
     """15006: traffic to a local workload from outside the mesh, redirected here by iptables."""
 
-    def __init__(self, node, workload, network):
-        self.node = node
+    def __init__(self, context: ProxyContext, workload, network):
+        self.context = context
         self.workload = workload
         self.network = network
         self.connections = LiveConnections()
@@ -197,7 +198,7 @@ class _PlaintextInbound(TCPEnd):
     def connectionMade(self) -> None:
         self.inbound.connections.add(self)
         self.transport.pauseProducing()
-        node, workload = self.inbound.node, self.inbound.workload
+        context, workload = self.inbound.context, self.inbound.workload
         destination = original_destination(self.transport)
         local = self.transport.getHost()
         peer = self.transport.getPeer()
@@ -215,8 +216,8 @@ class _PlaintextInbound(TCPEnd):
             self.transport.loseConnection()
             return
         record = ConnectionRecord(
-            node.metrics,
-            node.reactor,
+            context.metrics,
+            context.reactor,
             ConnectionLabels.for_connection("destination", destination=workload, destination_identity=workload.identity),
             **{"direction": "inbound", "src.addr": f"{peer.host}:{peer.port}", "dst.addr": f"{ip}:{port}", "dst.workload": workload.name},
         )
@@ -230,7 +231,7 @@ class _PlaintextInbound(TCPEnd):
             record.refused("CONNECT", failure.getErrorMessage())
             self.abort()
 
-        self.inbound.network.connect(ip, port, factory_for(upstream), timeout=node.connect_timeout).addCallbacks(
+        self.inbound.network.connect(ip, port, factory_for(upstream), timeout=context.connect_timeout).addCallbacks(
             connected, failed
         )
         super().connectionMade()

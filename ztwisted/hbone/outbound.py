@@ -10,6 +10,7 @@ from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 
+from ztwisted.context import ProxyContext
 from ztwisted.h2.connection import ConnectionGone, HBONEConnection, TunnelError, TunnelRefused
 from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory, Socks5Protocol
@@ -31,20 +32,20 @@ class OutboundRefused(Socks5Error):
 class Outbound:
     """Routes an app's connection: resolve, then HBONE through the pool or plain TCP."""
 
-    def __init__(self, node):
-        self.node = node
+    def __init__(self, context: ProxyContext):
+        self.context = context
         #: app connections accepted on SOCKS5 and redirect listeners (a drain waits for them)
         self.app_connections = LiveConnections()
         self.pool = ConnectionPool(
-            node.reactor,
+            context.reactor,
             self._connect_hbone,
-            connect_timeout=node.connect_timeout,
+            connect_timeout=context.connect_timeout,
             on_connection_opened=self._connection_opened,
         )
 
     def _connection_opened(self, key: PoolKey, connection: HBONEConnection) -> None:
-        self.node.metrics.pool_connections_opened.inc()
-        track_hbone_connection(self.node.metrics, connection, "outbound")
+        self.context.metrics.pool_connections_opened.inc()
+        track_hbone_connection(self.context.metrics, connection, "outbound")
 
     def connect(self, app: TCPEnd, source: tuple[str, int], host: str, port: int, source_workload=None) -> defer.Deferred:
         """Open the upstream for ``app`` and splice them; fires when the upstream is open.
@@ -55,22 +56,22 @@ class Outbound:
         return defer.Deferred.fromCoroutine(self._connect(app, source, host, port, source_workload))
 
     async def _connect(self, app, source, host, port, source_workload):
-        node = self.node
+        context = self.context
         source_ip, source_port = source
         if source_workload is None:
-            source_workload = node.local_workload_by_ip(source_ip)
+            source_workload = context.local_workload_by_ip(source_ip)
         if source_workload is None:
             log.warn("refusing outbound connection from {source}: no local workload has that address", source=source_ip)
             raise OutboundRefused(Reply.NOT_ALLOWED, f"{source_ip} is not a local workload")
         ip = self._resolve_host(host)
-        destination = node.mesh.resolve(ip, port, choice=node.random.choice)
+        destination = context.mesh.resolve(ip, port, choice=context.random.choice)
         if destination.kind == "unroutable":
             raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
         target = destination.workload
         hbone = target is not None and target.protocol == "HBONE"
         record = ConnectionRecord(
-            node.metrics,
-            node.reactor,
+            context.metrics,
+            context.reactor,
             ConnectionLabels.for_connection(
                 "source",
                 source=source_workload,
@@ -99,12 +100,12 @@ class Outbound:
                 upstream = await self._open_tunnel(source_workload, source, destination)
             else:
                 upstream = TCPEnd()
-                await node.network_of(source_workload).connect(
+                await context.network_of(source_workload).connect(
                     str(destination.ip),
                     destination.port,
                     factory_for(upstream),
                     source_ip=source_ip,
-                    timeout=node.connect_timeout,
+                    timeout=context.connect_timeout,
                 )
         except Exception as e:
             record.refused("CONNECT", str(e))
@@ -117,7 +118,7 @@ class Outbound:
             return ipaddress.ip_address(host)
         except ValueError:
             pass
-        service = self.node.mesh.service_by_hostname(host)
+        service = self.context.mesh.service_by_hostname(host)
         if service is None or not service.vips:
             raise OutboundRefused(Reply.HOST_UNREACHABLE, f"no service has the hostname {host!r}")
         return service.vips[0][1]
@@ -140,21 +141,21 @@ class Outbound:
         return self.pool.open_tunnel(key, authority, headers)
 
     def _connect_hbone(self, key: PoolKey) -> defer.Deferred:
-        node = self.node
-        certificate = node.certificates.get(key.source_identity)
+        context = self.context
+        certificate = context.certificates.get(key.source_identity)
         creator = ClientTLS(certificate, key.destination_identities)
         connection = HBONEConnection(
             client=True,
-            clock=node.reactor,
-            settings=node.client_h2_settings,
+            clock=context.reactor,
+            settings=context.client_h2_settings,
             get_peer_identity=peer_identity,
         )
         factory = TLSMemoryBIOFactory(creator, True, factory_for(connection))
         factory.noisy = False
         ip, port = key.destination
-        source = node.local_workload_by_ip(key.source_ip)
-        network = node.network_of(source) if source is not None else node.host_network
-        connecting = network.connect(ip, port, factory, source_ip=key.source_ip, timeout=node.connect_timeout)
+        source = context.local_workload_by_ip(key.source_ip)
+        network = context.network_of(source) if source is not None else context.host_network
+        connecting = network.connect(ip, port, factory, source_ip=key.source_ip, timeout=context.connect_timeout)
         connecting.addCallback(lambda _: connection.ready)
         return connecting
 
@@ -170,8 +171,8 @@ class Outbound:
         return _TrackedSocks5Factory(
             self.app_connections,
             connect_request,
-            self.node.reactor,
-            on_error=lambda reason: self.node.metrics.socks5_errors.labels(reason=reason).inc(),
+            self.context.reactor,
+            on_error=lambda reason: self.context.metrics.socks5_errors.labels(reason=reason).inc(),
         )
 
     def redirect_factory(self, source=None) -> Factory:

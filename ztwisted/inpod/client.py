@@ -179,7 +179,7 @@ class ZdsClient(service.Service):
         self,
         reactor: Any,
         path: str,
-        manager: Any,
+        manager: IPodManager,
         metrics: Any = None,
         backoff: tuple[float, float] = DEFAULT_BACKOFF,
         *,
@@ -415,7 +415,7 @@ class ZdsClient(service.Service):
             self._reconcile(session)
             return defer.succeed("")
         if isinstance(request, wire.ShutdownStarting):
-            return self._call_manager("pod_terminating", request.uid)
+            return _ack_text(self.manager.pod_terminating, request.uid)
         raise wire.ZdsProtocolError("unknown_message", f"unhandled request {request!r}")
 
     # -- the requests ------------------------------------------------------------
@@ -486,7 +486,7 @@ class ZdsClient(service.Service):
     def _remove(self, uid: str) -> defer.Deferred:
         """Remove a running pod; fires with "" or the failure's message when it is done."""
         self._netns_ids.pop(uid, None)
-        result = self._call_manager("remove_pod", uid)
+        result = _ack_text(self.manager.remove_pod, uid)
         self._update_gauges()
 
         def stopped(error: str) -> str:
@@ -508,16 +508,6 @@ class ZdsClient(service.Service):
         self._update_gauges()
         log.info("snapshot from the node agent complete ({count} pods running, {pending} pending)",
                  count=len(self.manager.running_pods()), pending=len(self._pending))
-
-    def _call_manager(self, method: str, uid: str) -> defer.Deferred:
-        """``manager.<method>(uid)``, firing with "" or the failure's message (logged)."""
-
-        def failed(failure: Failure) -> str:
-            log.error("{method}({uid}) failed: {message}", method=method, uid=uid,
-                      message=failure.getErrorMessage())
-            return failure.getErrorMessage()
-
-        return defer.maybeDeferred(getattr(self.manager, method), uid).addCallbacks(lambda _: "", failed)
 
     # -- retrying failed starts --------------------------------------------------
 
@@ -548,3 +538,13 @@ class ZdsClient(service.Service):
         self._metrics.active.set(len(set(self.manager.running_pods()) | set(self._netns_ids)))
         self._metrics.pending.set(len(self.pending()))
 
+
+def _ack_text(action: Callable[[str], object], uid: str) -> defer.Deferred:
+    """``action(uid)`` (a manager method), firing with "" or the failure's message (logged)."""
+
+    def failed(failure: Failure) -> str:
+        log.error("{method}({uid}) failed: {message}", method=action.__name__, uid=uid,
+                  message=failure.getErrorMessage())
+        return failure.getErrorMessage()
+
+    return defer.maybeDeferred(action, uid).addCallbacks(lambda _: "", failed)

@@ -9,7 +9,10 @@ from zope.interface import implementer
 
 from ztwisted.identity import DEFAULT_TRUST_DOMAIN
 from ztwisted.inpod.client import IPodManager
+from ztwisted.interfaces import IDrainEvents
+from ztwisted.model import Workload
 from ztwisted.network import PodNetwork
+from ztwisted.node import Node
 
 log = Logger()
 
@@ -27,12 +30,13 @@ class PodProxies:
     comes from the agent's ``workload_info``.
     """
 
-    def __init__(self, node):
+    def __init__(self, node: Node, events: IDrainEvents):
         self.node = node
-        self._running: dict[str, object] = {}
+        self.events = events
+        self._running: dict[str, Workload] = {}
 
     def add_pod(self, uid, workload_info, netns) -> defer.Deferred:
-        configured = self.node.mesh.workload_by_uid(uid)
+        configured = self.node.workloads.mesh.workload_by_uid(uid)
         if configured is None:
             return defer.fail(UnknownPod(f"pod {uid} ({workload_info.namespace}/{workload_info.name}) is not in the configuration"))
         workload = attr.evolve(
@@ -42,7 +46,7 @@ class PodProxies:
             service_account=workload_info.service_account or configured.service_account,
             trust_domain=configured.trust_domain or DEFAULT_TRUST_DOMAIN,
         )
-        network = PodNetwork(self.node.reactor, netns, mark=self.node.host_network.mark)
+        network = PodNetwork(self.node.context.reactor, netns, mark=self.node.workloads.host_network.mark)
         log.info("starting the proxy of pod {pod} in {netns}", pod=f"{workload.namespace}/{workload.name}", netns=network.name)
 
         def started(result):
@@ -55,13 +59,13 @@ class PodProxies:
         workload = self._running.pop(uid, None)
         if workload is None:
             return defer.succeed(None)
-        return self.node.remove_pod(workload)
+        return self.events.pod_removed(workload)
 
     def pod_terminating(self, uid) -> defer.Deferred:
         workload = self._running.get(uid)
         if workload is None:
             return defer.succeed(None)
-        return self.node.pod_terminating(workload)
+        return self.events.pod_terminating(workload)
 
     def running_pods(self) -> set:
         return set(self._running)

@@ -1,0 +1,48 @@
+"""A reloaded configuration, applied to a running node: which workloads come, change and go."""
+
+from __future__ import annotations
+
+from ztwisted.interfaces import IDrainEvents
+from ztwisted.model import Mesh, diff
+from ztwisted.node import Node
+
+
+class MeshReconciler:
+    """Switches the node to a new mesh; a removed or changed local workload is a *pod removed*
+    event, a removed remote one a *destination removed* event (both raised on ``events``)."""
+
+    def __init__(self, node: Node, events: IDrainEvents):
+        self.node = node
+        self.events = events
+
+    def apply_mesh(self, mesh: Mesh) -> None:
+        workloads = self.node.workloads
+        old_local = {w.uid: w for w in workloads.all()}
+        changes = diff(workloads.mesh, mesh)
+        workloads.replace_mesh(mesh)
+        if not self.node.running:
+            return
+        if not workloads.inpod:  # in-pod, local pods come and go through the node agent, not the file
+            self._reconcile_local(old_local, changes)
+        for workload in changes.removed:
+            if workload.uid not in old_local:
+                self.events.destination_removed(workload)
+
+    def _reconcile_local(self, old_local: dict, changes) -> None:
+        workloads = self.node.workloads
+        new_local = {w.uid: w for w in workloads.all()}
+        changed = {old.uid for old, _ in changes.changed}
+        for old, new in changes.changed:
+            if old.uid in old_local:
+                self.events.pod_removed(old, forget=False).addCallback(lambda _, uid=new.uid: self._restart(uid))
+        for uid, workload in old_local.items():
+            if uid not in new_local and uid not in changed:
+                self.events.pod_removed(workload)
+        self.node.start_listeners(
+            [w for uid, w in new_local.items() if uid not in self.node.listeners and uid not in changed]
+        )
+
+    def _restart(self, uid: str) -> None:
+        workload = next((w for w in self.node.workloads.all() if w.uid == uid), None)
+        if workload is not None and uid not in self.node.listeners:
+            self.node.start_listener(workload).addErrback(lambda failure: None)

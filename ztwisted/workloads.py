@@ -1,0 +1,72 @@
+"""Which workloads this node serves, and where each one's sockets live."""
+
+from __future__ import annotations
+
+import attrs
+
+from ztwisted.model import Mesh, Workload
+from ztwisted.network import HostNetwork, PodNetwork
+
+
+@attrs.define
+class LocalWorkloads:
+    """The node's view of the mesh: the current configuration, and which of its workloads are local.
+
+    In local-config mode the local workloads are those the configuration
+    places on ``node_name``; in in-pod mode they are the pods the node agent
+    added (:meth:`add_pod`), each with its own network namespace.
+    """
+
+    mesh: Mesh
+    node_name: str | None
+    host_network: HostNetwork
+    inpod: bool = False
+    _pods: dict[str, Workload] = attrs.field(factory=dict)
+    _networks: dict[str, PodNetwork] = attrs.field(factory=dict)
+    _removed_uids: set[str] = attrs.field(factory=set)
+    _by_ip: dict[str, Workload] | None = None
+
+    def all(self) -> tuple[Workload, ...]:
+        if self.inpod:
+            return tuple(self._pods.values())
+        return tuple(w for w in self.mesh.local_workloads(self.node_name) if w.uid not in self._removed_uids)
+
+    def by_ip(self, ip) -> Workload | None:
+        """The local workload with address ``ip`` (a string), if any; looked up per connection."""
+        if self._by_ip is None:
+            self._by_ip = {str(address): w for w in self.all() for address in w.workload_ips}
+        return self._by_ip.get(str(ip))
+
+    def find(self, uid_or_name: str) -> Workload | None:
+        """A local workload by uid, or by ``name`` / ``namespace/name``."""
+        for workload in self.all():
+            if uid_or_name in (workload.uid, workload.name, f"{workload.namespace}/{workload.name}"):
+                return workload
+        return None
+
+    def network_of(self, workload: Workload) -> HostNetwork | PodNetwork:
+        """Where ``workload``'s sockets live: its pod's network namespace, or the host's."""
+        return self._networks.get(workload.uid, self.host_network)
+
+    def add_pod(self, workload: Workload, network: PodNetwork) -> None:
+        self._pods[workload.uid] = workload
+        self._networks[workload.uid] = network
+        self._by_ip = None
+
+    def withdraw(self, workload: Workload) -> None:
+        """No longer local from now on (a pod being removed); its pod network stays until :meth:`forget`."""
+        self._removed_uids.add(workload.uid)
+        self._by_ip = None
+
+    def forget(self, workload: Workload) -> PodNetwork | None:
+        """Drop an in-pod workload; returns its network, which the caller closes."""
+        if self._pods.pop(workload.uid, None) is None:
+            return None
+        self._by_ip = None
+        return self._networks.pop(workload.uid, None)
+
+    def replace_mesh(self, mesh: Mesh) -> None:
+        """A reloaded configuration; a withdrawn workload that is still in it stays withdrawn."""
+        self.mesh = mesh
+        self._removed_uids &= {w.uid for w in mesh.workloads}
+        self._by_ip = None

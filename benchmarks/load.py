@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from ztwisted.harness import Socks5Refused
+from ztwisted.tools.harness import recv_exact, socks5_handshake
 
 HEADER_SIZE = 8
 MESSAGE = bytes(range(64))
@@ -50,31 +50,6 @@ def open_connection(target: dict) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def socks5_handshake(sock: socket.socket, ip: str, port: int) -> None:
-    """The exchange of ``ztwisted.harness.socks5_connect``: two round trips, nothing pipelined.
-
-    (That helper binds the source address without IP_BIND_ADDRESS_NO_PORT, so
-    under connection churn its bind() cost would be charged to ztwisted.)
-    """
-    sock.sendall(b"\x05\x01\x00")
-    if recv_exact(sock, 2) != b"\x05\x00":
-        raise ConnectionError("SOCKS5 proxy refused the no-auth method")
-    sock.sendall(b"\x05\x01\x00\x01" + socket.inet_aton(ip) + port.to_bytes(2, "big"))
-    reply = recv_exact(sock, 10)  # IPv4 bound address
-    if reply[1] != 0:
-        raise Socks5Refused(reply[1])
-
-
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(data)} of {size} bytes")
-        data += chunk
-    return data
 
 
 def echo_once(sock: socket.socket) -> None:

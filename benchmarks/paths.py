@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from ztwisted.ca import CertificateAuthority
-from ztwisted.harness import NodeProcess
 from ztwisted.identity import SpiffeId
+from ztwisted.tools.harness import NodeProcess
 
 ECHO_PORT = 8080
 SINK_PORT = 8081

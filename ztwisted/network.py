@@ -14,6 +14,7 @@ import socket
 
 from twisted.internet import defer
 
+from ztwisted.netns import Netns, connecting_socket_in, listening_socket_in, run_in_netns
 from ztwisted.sockets import allow_accept_queue_migration, client_socket, connect_socket, listen_tcp
 
 
@@ -41,7 +42,7 @@ class HostNetwork:
 class PodNetwork:
     """Sockets inside a pod's network namespace (created on a short-lived thread, adopted by the reactor)."""
 
-    def __init__(self, reactor, netns, mark: int | None = None):
+    def __init__(self, reactor, netns: Netns, mark: int | None = None):
         self.reactor = reactor
         self.netns = netns
         self.mark = mark
@@ -51,8 +52,6 @@ class PodNetwork:
         return f"netns {self.netns.name}"
 
     def listen(self, ip: str, port: int, factory) -> defer.Deferred:
-        from ztwisted.inpod.netns import listening_socket_in, run_in_netns
-
         # Per namespace: a restarted proxy then loses none of the pod's queued connections.
         run_in_netns(self.netns, allow_accept_queue_migration, reactor=self.reactor).addErrback(lambda failure: None)
 
@@ -65,8 +64,6 @@ class PodNetwork:
         return listening_socket_in(self.netns, ip, port, mark=self.mark, reactor=self.reactor).addCallback(adopt)
 
     def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
-        from ztwisted.inpod.netns import connecting_socket_in
-
         created = connecting_socket_in(self.netns, ip, source_ip=source_ip, mark=self.mark, reactor=self.reactor)
         return created.addCallback(lambda sock: connect_socket(self.reactor, sock, (ip, port), factory, timeout=timeout))
 

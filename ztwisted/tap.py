@@ -24,6 +24,7 @@ from ztwisted.drain.controller import DrainController, drain_timeout_from_enviro
 from ztwisted.drain.facade import DrainDeadline
 from ztwisted.drain.registry import DEFAULT_STRATEGY, UnknownStrategy, describe, select
 from ztwisted.dump import ConfigDump
+from ztwisted.inpod import DEFAULT_SOCKET_PATH
 from ztwisted.logs import observer_for
 from ztwisted.metrics import Metrics
 from ztwisted.network import HostNetwork
@@ -36,7 +37,6 @@ from ztwisted.workloads import LocalWorkloads
 
 log = Logger()
 
-DEFAULT_SOCKET_PATH = "/var/run/ztunnel/ztunnel.sock"
 #: ztunnel's mark on its own traffic, so a pod's redirect rules can let it pass
 DEFAULT_PACKET_MARK = 1337
 
@@ -76,20 +76,20 @@ class Options(usage.Options):
          "(default: from TERMINATION_GRACE_PERIOD_SECONDS as ztunnel does, else 5)."],
         ["connect-timeout", None, 10.0, "Seconds to connect to a peer (TCP and TLS).", float],
         ["pod-drain-timeout", None, 3.0, "Seconds a pod-removal drain may take (keep it under the node agent's Ack timeout).", float],
-        ["inpod-uds", None, None, "In-pod mode: the node agent's ZDS socket (default when --inpod: /var/run/ztunnel/ztunnel.sock)."],
+        ["inpod-uds", None, None, f"In-pod mode: the node agent's ZDS socket (default when --inpod: {DEFAULT_SOCKET_PATH})."],
         ["packet-mark", None, None, "SO_MARK on every socket the proxy opens (default: 1337 in in-pod mode, none otherwise).", int],
         ["random-seed", None, None, "Seed the proxy's random choices (endpoint selection, backoff jitter): for reproducible labs.", int],
         ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
         ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
     ]
 
-    def opt_version(self):
-        print(f"ztwisted {__version__}")
-        sys.exit(0)
-
     optFlags = [
         ["inpod", None, "In-pod mode: the node agent (ZDS) adds pods and their network namespaces."],
     ]
+
+    def opt_version(self):
+        print(f"ztwisted {__version__}")
+        sys.exit(0)
 
     def __init__(self):
         super().__init__()

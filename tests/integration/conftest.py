@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from tests.support import EchoServer, SinkServer, mesh_workload, mesh_workloads, pod_uid
-from ztwisted.harness import NodeProcess
+from ztwisted.tools.harness import NodeProcess
 
 # Every address is in 127.<NET>.0.0/16, so separate runs can share a machine.
 NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))

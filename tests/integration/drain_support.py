@@ -36,8 +36,8 @@ from hyperframe.frame import Frame, GoAwayFrame, RstStreamFrame
 from tests.integration.conftest import NODE_A_CONTROL_IP, NODE_B_CONTROL_IP, TWO_NODE_MESH
 from tests.support import echo_through, wait_until
 from ztwisted.ca import CertificateAuthority, IssuedCertificate
-from ztwisted.harness import NodeProcess, socks5_connect
 from ztwisted.identity import SpiffeId
+from ztwisted.tools.harness import NodeProcess, socks5_connect
 
 MAX_STREAM_ID = 2**31 - 1
 CANCEL = 0x8

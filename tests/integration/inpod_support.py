@@ -1,7 +1,7 @@
 """Support for the in-pod end-to-end tests: pod namespaces on a private bridge, agents, nodes and apps.
 
 The topology lives entirely in namespaces the tests create (all named
-``ztw12-*``, or another prefix given to :class:`PodNetworkLab`): a "network" namespace holding a Linux bridge, and one
+``zte<net>a-*``, or another prefix given to :class:`PodNetworkLab`): a "network" namespace holding a Linux bridge, and one
 namespace per pod joined to that bridge by a veth pair, with addresses in
 :data:`POD_SUBNET`, which exists only inside these namespaces. The host
 namespace's links, routes, sysctls and iptables are never touched; the
@@ -29,10 +29,12 @@ import time
 from pathlib import Path
 
 from tests.support import echo_until_eof, listening_socket, mesh_workload
-from ztwisted.harness import NodeProcess  # standard library only, as the apps below need
+from ztwisted.tools.harness import NodeProcess  # standard library only, as the apps below need
+from ztwisted.tools.system import cannot_set_up_network
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NETNS_PREFIX = "ztw12-"
+#: per test network, so that parallel runs with different ZTWISTED_TEST_NET keep their namespaces apart
+NETNS_PREFIX = f"zte{int(os.environ.get('ZTWISTED_TEST_NET', '0'))}a-"
 BRIDGE = "br0"
 POD_SUBNET = "10.251.0.0/24"
 APP_PORT = 8080
@@ -58,12 +60,7 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def cannot_build_pods() -> str | None:
     """None when this process can build the pod network, else why not (a skip reason)."""
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces, veth pairs and iptables rules"
-    for tool, package in (("ip", "iproute2"), ("iptables", "iptables"), ("ss", "iproute2")):
-        if shutil.which(tool) is None:
-            return f"needs the `{tool}` command (apt-get install {package})"
-    return None
+    return cannot_set_up_network("ip", "iptables", "ss")
 
 
 def existing_namespaces() -> list[str]:
@@ -199,7 +196,7 @@ class PodNetworkLab:
 
 def agent_command() -> list[str]:
     script = shutil.which("ztunnel-agent", path=os.path.dirname(sys.executable))
-    return [script] if script else [sys.executable, "-m", "ztwisted.inpod.agent"]
+    return [script] if script else [sys.executable, "-m", "ztwisted.tools.agent"]
 
 
 class AgentProcess:
@@ -253,7 +250,7 @@ class AgentProcess:
 
     def call(self, operation: str, body: dict | None = None) -> tuple[int, dict]:
         """One call of the control API from this process (what the CLI does, without its start-up time)."""
-        from ztwisted.inpod.agent import call_control  # not at the top: the apps import this module
+        from ztwisted.tools.agent import call_control  # not at the top: the apps import this module
 
         return call_control(self.control, operation, body, timeout=30)
 

@@ -21,8 +21,8 @@ import pytest
 from tests.integration.conftest import CLIENT_IP, NET, SERVER_IP, SINK_IP, TWO_NODE_MESH, TwoNodes
 from tests.support import EchoServer, close_listener, echo_through, mesh_workload, pod_uid, recv_all
 from ztwisted.ca import CertificateAuthority, IssuedCertificate, create_files
-from ztwisted.harness import Socks5Refused, socks5_connect
 from ztwisted.identity import SpiffeId
+from ztwisted.tools.harness import Socks5Refused, socks5_connect
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ import pytest
 from tests.integration.conftest import NET
 from tests.support import can_connect, mesh_workload, mesh_workloads, wait_until
 from ztwisted.ca import CertificateAuthority
-from ztwisted.harness import NodeProcess, twistd_command
 from ztwisted.identity import SpiffeId
+from ztwisted.tools.harness import NodeProcess, twistd_command
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.integration.conftest import CLIENT_IP, SERVER_IP, SINK_IP
 from tests.support import ReplyAfterEofServer, echo_through, recv_all, stream_and_hash
-from ztwisted.harness import socks5_connect
+from ztwisted.tools.harness import socks5_connect
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ from hyperframe.frame import (
 from tests.integration.conftest import CLIENT_IP, SERVER_IP
 from tests.support import echo_through
 from ztwisted.ca import CertificateAuthority
-from ztwisted.harness import socks5_connect
 from ztwisted.identity import SpiffeId
+from ztwisted.tools.harness import socks5_connect
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.integration.conftest import CLIENT_IP, TwoNodes
-from ztwisted.harness import NodeProcess, socks5_connect
+from ztwisted.tools.harness import NodeProcess, socks5_connect
 
 pytestmark = pytest.mark.integration
 

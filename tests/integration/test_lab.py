@@ -15,10 +15,10 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from ztwisted.drain.registry import installed_strategies
-from ztwisted.lab.clients import FAILURE_KINDS, RequestMaker, Traffic
-from ztwisted.lab.measures import percentile, pool_leftovers
-from ztwisted.lab.netns import missing_for_netns
-from ztwisted.lab.scenario import LabError, Strategy, Timeline
+from ztwisted.tools.lab.clients import FAILURE_KINDS, RequestMaker, Traffic
+from ztwisted.tools.lab.measures import percentile, pool_leftovers
+from ztwisted.tools.lab.netns import missing_for_netns
+from ztwisted.tools.lab.scenario import LabError, Strategy, Timeline
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ LIFECYCLE = ("traffic-start", "terminating", "unready", "app-exit", "app-exited"
 
 def lab(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ztwisted.lab", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "ztwisted.tools.lab", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

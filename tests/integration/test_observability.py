@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import CLIENT_IP, ECHO_VIP, SERVER_IP, SINK_IP
 from tests.support import ReplyAfterEofServer, echo_through, wait_until
-from ztwisted.harness import socks5_connect
+from ztwisted.tools.harness import socks5_connect
 
 pytestmark = pytest.mark.integration
 

@@ -33,7 +33,7 @@ from tests.integration.drain_support import (
     wait_exit,
 )
 from tests.support import can_connect, echo_through, wait_until
-from ztwisted.harness import socks5_connect, twistd_command
+from ztwisted.tools.harness import socks5_connect, twistd_command
 
 pytestmark = pytest.mark.integration
 

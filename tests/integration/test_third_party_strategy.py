@@ -18,7 +18,7 @@ import pytest
 
 from tests.integration.conftest import CLIENT_IP, NET, NODE_A_CONTROL_IP, NODE_B_CONTROL_IP, SERVER_IP
 from tests.support import mesh_workload, mesh_workloads, pod_uid, recv_all, wait_until
-from ztwisted.harness import NodeProcess, socks5_connect, twistd_command
+from ztwisted.tools.harness import NodeProcess, socks5_connect, twistd_command
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import threading
 
 from tests.integration.conftest import CLIENT_IP, SERVER_IP
 from tests.support import recv_all
-from ztwisted.harness import socks5_connect
+from ztwisted.tools.harness import socks5_connect
 
 
 def test_echo_through_service_hostname_is_byte_exact(two_nodes):

@@ -12,15 +12,15 @@ from twisted.internet import defer, protocol, reactor, task
 from twisted.internet.utils import getProcessOutputAndValue
 
 from tests.integration.conftest import NET
-from ztwisted.inpod.agent import _control_address
 from ztwisted.inpod.client import ZdsClient
-from ztwisted.inpod.testing import NamedNetns, RecordingPodManager, can_manage_netns
 from ztwisted.inpod.wire import WorkloadInfo
+from ztwisted.tools.agent import _control_address
+from ztwisted.tools.zds_testing import NamedNetns, RecordingPodManager, can_manage_netns
 
 pytestmark = pytest.mark.integration
 
 CONTROL_IP = f"127.{NET}.41.1"
-AGENT = [sys.executable, "-m", "ztwisted.inpod.agent"]
+AGENT = [sys.executable, "-m", "ztwisted.tools.agent"]
 
 
 class AgentProcess(protocol.ProcessProtocol):

@@ -11,12 +11,12 @@ import pytest_twisted
 from twisted.internet import defer, protocol, reactor, task
 
 from tests.integration.conftest import NET
-from ztwisted.inpod.agent import ZdsAgent
 from ztwisted.inpod.client import ZdsClient
-from ztwisted.inpod.netns import connect_socket, connecting_socket_in, listening_socket_in
-from ztwisted.inpod.testing import NamedNetns, RecordingPodManager, can_manage_netns
 from ztwisted.inpod.wire import WorkloadInfo
 from ztwisted.metrics import Metrics
+from ztwisted.netns import connect_socket, connecting_socket_in, listening_socket_in
+from ztwisted.tools.agent import ZdsAgent
+from ztwisted.tools.zds_testing import NamedNetns, RecordingPodManager, can_manage_netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -126,7 +126,7 @@ def eventually(check, timeout=5.0):
 @defer.inlineCallbacks
 def greeting_inside(netns_path):
     """Connect to POD_IP:15008 from inside the pod's namespace; return what the listener says."""
-    from ztwisted.inpod.netns import Netns
+    from ztwisted.netns import Netns
 
     with Netns.open(netns_path) as netns:
         sock = yield connecting_socket_in(netns, POD_IP)

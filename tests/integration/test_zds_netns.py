@@ -11,8 +11,8 @@ import pytest_twisted
 from twisted.internet import defer, protocol, reactor
 
 from tests.integration.conftest import NET
-from ztwisted.inpod.netns import Netns, connect_socket, connecting_socket_in, listening_socket_in, run_in_netns
-from ztwisted.inpod.testing import NamedNetns, can_manage_netns
+from ztwisted.netns import Netns, connect_socket, connecting_socket_in, listening_socket_in, run_in_netns
+from ztwisted.tools.zds_testing import NamedNetns, can_manage_netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 

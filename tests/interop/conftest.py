@@ -31,8 +31,8 @@ from tests.interop.peers import (
 )
 from tests.support import EchoServer, recv_all
 from ztwisted.ca import CertificateAuthority
-from ztwisted.harness import NodeProcess
 from ztwisted.identity import SpiffeId
+from ztwisted.tools.harness import NodeProcess, recv_exact
 
 NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))
 ZT_CONTROL_IP = f"127.{NET}.40.254"
@@ -324,16 +324,6 @@ def zt_banner_app():
     server = BannerEchoServer(ZT_ECHO_IP, APP_PORT, BANNER)
     yield server
     server.close()
-
-
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError(f"EOF after {len(data)} of {size} bytes")
-        data += chunk
-    return data
 
 
 def lockstep_echo(sock: socket.socket, payload: bytes, chunk: int = 16 * 1024) -> None:

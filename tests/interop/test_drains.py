@@ -38,7 +38,7 @@ from tests.interop.conftest import (
 from tests.interop.peers import EnvoyPeer, NodePeer, tls_config
 from tests.interop.test_envoy import connect_app_to_envoy, start_envoy_client
 from tests.interop.test_node_http2 import NodeClientRun
-from ztwisted.harness import NodeProcess, socks5_connect
+from ztwisted.tools.harness import NodeProcess, socks5_connect
 
 pytestmark = pytest.mark.interop
 

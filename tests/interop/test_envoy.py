@@ -36,7 +36,7 @@ from tests.interop.conftest import (
     wait_for_metric,
 )
 from tests.interop.peers import EnvoyPeer, PeerFailed
-from ztwisted.harness import Socks5Refused, socks5_connect
+from ztwisted.tools.harness import Socks5Refused, socks5_connect
 
 pytestmark = pytest.mark.interop
 

@@ -32,7 +32,7 @@ from tests.interop.conftest import (
 )
 from tests.interop.peers import PeerCredentials, tls_config
 from ztwisted.ca import create_files
-from ztwisted.harness import Socks5Refused, socks5_connect
+from ztwisted.tools.harness import Socks5Refused, socks5_connect
 
 pytestmark = pytest.mark.interop
 

@@ -9,10 +9,10 @@ import pytest_twisted
 from twisted.internet import defer, reactor
 
 from ztwisted.inpod import wire
-from ztwisted.inpod.agent import ZdsAgent
 from ztwisted.inpod.seqpacket import connect_seqpacket
-from ztwisted.inpod.testing import DatagramPeer
 from ztwisted.inpod.wire import AddWorkload, DelWorkload, KeepWorkload, ShutdownStarting, SnapshotSent, WorkloadInfo
+from ztwisted.tools.agent import ZdsAgent
+from ztwisted.tools.zds_testing import DatagramPeer
 
 INFO = WorkloadInfo("web-1", "shop", "web")
 OWN_NETNS = "/proc/self/ns/net"

@@ -13,10 +13,10 @@ from twisted.internet import defer, reactor, task
 
 from ztwisted.inpod import wire
 from ztwisted.inpod.client import ZdsClient
-from ztwisted.inpod.netns import Netns
-from ztwisted.inpod.testing import DatagramPeer, RecordingPodManager, unshared_netns
 from ztwisted.inpod.wire import AddWorkload, DelWorkload, KeepWorkload, ShutdownStarting, SnapshotSent, WorkloadInfo
 from ztwisted.metrics import Metrics
+from ztwisted.netns import Netns
+from ztwisted.tools.zds_testing import DatagramPeer, RecordingPodManager, unshared_netns
 
 INFO = WorkloadInfo("web-1", "shop", "web")
 RETRY = 0.2

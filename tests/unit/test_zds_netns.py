@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from ztwisted.inpod import netns as netns_module
-from ztwisted.inpod.netns import Netns, NotANetworkNamespace
+from ztwisted import netns as netns_module
+from ztwisted.netns import Netns, NotANetworkNamespace
 
 
 def _open(path):

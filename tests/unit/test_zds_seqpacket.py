@@ -11,7 +11,7 @@ import pytest_twisted
 from twisted.internet import defer, error, reactor
 
 from ztwisted.inpod.seqpacket import SeqpacketConnection, SeqpacketListener, connect_seqpacket
-from ztwisted.inpod.testing import DatagramPeer, open_fd_count
+from ztwisted.tools.zds_testing import DatagramPeer, open_fd_count
 
 
 class Recorder:

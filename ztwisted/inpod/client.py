@@ -36,12 +36,11 @@ from twisted.python.failure import Failure
 from zope.interface import Interface
 
 from ztwisted.inpod import wire
-from ztwisted.inpod.netns import Netns, NotANetworkNamespace
 from ztwisted.inpod.seqpacket import DEFAULT_MAX_DATAGRAM, SeqpacketConnection, connect_seqpacket
+from ztwisted.netns import Netns, NotANetworkNamespace
 
 log = Logger(namespace="ztwisted.inpod.client")
 
-DEFAULT_SOCKET_PATH = "/var/run/ztunnel/ztunnel.sock"
 RETRY_INTERVAL = 5.0  # seconds between retries of pods that failed to start (ztunnel's)
 DEFAULT_BACKOFF = (0.01, 15.0)  # reconnect delay: first, and cap (doubling in between)
 
@@ -51,7 +50,7 @@ class IPodManager(Interface):
 
     ``workload_info`` is a :class:`ztwisted.inpod.wire.WorkloadInfo` (attrs:
     ``name``, ``namespace``, ``service_account``); ``netns`` a
-    :class:`ztwisted.inpod.netns.Netns`, already checked.
+    :class:`ztwisted.netns.Netns`, already checked.
     """
 
     def add_pod(uid, workload_info, netns):
@@ -165,7 +164,7 @@ class _Session:
 class ZdsClient(service.Service):
     """Connects to the node agent at ``path`` and keeps ``manager``'s pods in sync with it.
 
-    ``path`` is the agent's socket (:data:`DEFAULT_SOCKET_PATH` in a real node);
+    ``path`` is the agent's socket (:data:`ztwisted.inpod.DEFAULT_SOCKET_PATH` in a real node);
     ``manager`` provides :class:`IPodManager`; ``metrics`` is an optional
     :class:`ztwisted.metrics.Metrics`; ``backoff`` the first and the largest
     reconnect delay in seconds (doubling in between, reset once a snapshot

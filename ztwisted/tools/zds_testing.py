@@ -19,9 +19,10 @@ import attrs
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
-from ztwisted.inpod.netns import Netns
 from ztwisted.inpod.seqpacket import SeqpacketConnection
 from ztwisted.inpod.wire import WorkloadInfo
+from ztwisted.netns import Netns
+from ztwisted.tools.system import cannot_set_up_network
 
 
 @attrs.define
@@ -138,11 +139,7 @@ def open_fd_count() -> int:
 
 def can_manage_netns() -> str | None:
     """None if this process may create network namespaces, else the reason why not."""
-    if os.geteuid() != 0:
-        return "needs root (CAP_SYS_ADMIN) to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs iproute2's `ip` command (apt-get install iproute2)"
-    return None
+    return cannot_set_up_network("ip")
 
 
 class NamedNetns:

@@ -15,9 +15,9 @@ pod is removed). Without root it is not approximated at all.
 from __future__ import annotations
 
 import ipaddress
-import os
-import shutil
 import subprocess
+
+from ztwisted.tools.system import cannot_set_up_network
 
 
 class TeardownUnavailable(Exception):
@@ -26,11 +26,7 @@ class TeardownUnavailable(Exception):
 
 def blackhole_available() -> str | None:
     """None if blackhole routes can be used here, else why not."""
-    if os.geteuid() != 0:
-        return "not root"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    return None
+    return cannot_set_up_network("ip")
 
 
 class Blackhole:

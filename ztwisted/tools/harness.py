@@ -172,32 +172,35 @@ def socks5_connect(proxy: tuple[str, int], source_ip: str, host: str, port: int,
     sock = socket.socket(socket.AF_INET6 if ":" in proxy[0] else socket.AF_INET, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        # Let connect() pick the port: many test connections from one workload address.
+        # Let connect() pick the port by the whole 4-tuple: a plain bind(ip, 0) must skip every
+        # port a TIME_WAIT socket holds on that address (many test connections from one workload).
         sock.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)
         sock.bind((source_ip, 0))
         sock.connect(proxy)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        sock.sendall(b"\x05\x01\x00")
-        if _recv_exact(sock, 2) != b"\x05\x00":
-            raise ConnectionError("SOCKS5 proxy refused the no-auth method")
-        try:
-            address = b"\x01" + socket.inet_aton(host)
-        except OSError:
-            encoded = host.encode()
-            address = b"\x03" + bytes([len(encoded)]) + encoded
-        sock.sendall(b"\x05\x01\x00" + address + struct.pack("!H", port))
-        reply = _recv_exact(sock, 4)
-        if reply[1] != 0:
-            raise Socks5Refused(reply[1])
-        atyp = reply[3]
-        _recv_exact(sock, {1: 4, 4: 16}.get(atyp, 0) + 2 if atyp != 3 else _recv_exact(sock, 1)[0] + 2)
+        socks5_handshake(sock, host, port)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def socks5_handshake(sock: socket.socket, host: str, port: int) -> None:
+    """SOCKS5 CONNECT to ``host`` (an IPv4 address or a name) on a connected socket: two round
+    trips, nothing pipelined. Raises :class:`Socks5Refused` with the proxy's reply code."""
+    sock.sendall(b"\x05\x01\x00")
+    if recv_exact(sock, 2) != b"\x05\x00":
+        raise ConnectionError("SOCKS5 proxy refused the no-auth method")
+    try:
+        address = b"\x01" + socket.inet_aton(host)
+    except OSError:
+        encoded = host.encode()
+        address = b"\x03" + bytes([len(encoded)]) + encoded
+    sock.sendall(b"\x05\x01\x00" + address + struct.pack("!H", port))
+    reply = recv_exact(sock, 4)
+    if reply[1] != 0:
+        raise Socks5Refused(reply[1])
+    atyp = reply[3]
+    recv_exact(sock, {1: 4, 4: 16}.get(atyp, 0) + 2 if atyp != 3 else recv_exact(sock, 1)[0] + 2)
 
 
 class Socks5Refused(ConnectionError):
@@ -206,11 +209,12 @@ class Socks5Refused(ConnectionError):
         self.code = code
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    """Exactly ``size`` bytes from a blocking socket; ConnectionError on an early EOF."""
     data = b""
     while len(data) < size:
         chunk = sock.recv(size - len(data))
         if not chunk:
-            raise ConnectionError("connection closed during SOCKS5 handshake")
+            raise ConnectionError(f"connection closed after {len(data)} of {size} bytes")
         data += chunk
     return data

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import attr
 
-from ztwisted.lab.chart import render_svg
-from ztwisted.lab.clients import Traffic
-from ztwisted.lab.mesh import Addresses
-from ztwisted.lab.netns import leftover_namespaces
-from ztwisted.lab.report import ProgressLine, format_table, write_json
-from ztwisted.lab.runner import run_lab
-from ztwisted.lab.scenario import DEFAULT_STRATEGIES, LabConfig, LabError, Timeline
-from ztwisted.lab.teardown import TeardownUnavailable, remove_leftovers
+from ztwisted.tools.lab.chart import render_svg
+from ztwisted.tools.lab.clients import Traffic
+from ztwisted.tools.lab.mesh import Addresses
+from ztwisted.tools.lab.netns import leftover_namespaces
+from ztwisted.tools.lab.report import ProgressLine, format_table, write_json
+from ztwisted.tools.lab.runner import run_lab
+from ztwisted.tools.lab.scenario import DEFAULT_STRATEGIES, LabConfig, LabError, Timeline
+from ztwisted.tools.lab.teardown import TeardownUnavailable, remove_leftovers
 
 _UNSET = object()
 

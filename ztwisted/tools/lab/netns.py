@@ -15,15 +15,12 @@ veth: its address really vanishes.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,11 +28,12 @@ from pathlib import Path
 
 import attr
 
-from ztwisted.lab.mesh import APP_PORT, SERVICE_PORT, write_mesh
-from ztwisted.lab.platform import LabError, Platform
-from ztwisted.lab.server import ServerApp
+from ztwisted.netns import call_in_netns, enter_netns
+from ztwisted.tools.lab.mesh import APP_PORT, SERVICE_PORT, write_mesh
+from ztwisted.tools.lab.platform import LabError, Platform
+from ztwisted.tools.lab.server import ServerApp
+from ztwisted.tools.system import missing_for_network_setup
 
-CLONE_NEWNET = 0x40000000
 PACKET_MARK = 1337  # the in-pod proxy's mark on its own sockets
 ROUTER_ADDRESS = "169.254.1.1"  # the pods' gateway, on every router-side veth
 PODS = {"client-pool": ("client", "node-a"), "client-req": ("client", "node-a"), "b1": ("echo", "node-b"), "b2": ("echo", "node-b")}
@@ -47,10 +45,6 @@ class NetnsAddresses:
 
     net: int = attr.ib(default=91)
 
-    @property
-    def network(self) -> str:
-        return f"10.{self.net}.0.0/16"
-
     pool_client = property(lambda self: f"10.{self.net}.2.1")
     request_client = property(lambda self: f"10.{self.net}.2.2")
     b1 = property(lambda self: f"10.{self.net}.3.1")
@@ -61,21 +55,20 @@ class NetnsAddresses:
     agent_a = property(lambda self: f"127.{self.net}.2.253")
     agent_b = property(lambda self: f"127.{self.net}.3.253")
 
+    @property
+    def network(self) -> str:
+        return f"10.{self.net}.0.0/16"
+
     def pod_ip(self, pod: str) -> str:
         return {"client-pool": self.pool_client, "client-req": self.request_client, "b1": self.b1, "b2": self.b2}[pod]
 
 
 def missing_for_netns() -> list[str]:
     """What this machine or this ztwisted lacks for netns mode (empty: nothing)."""
-    missing = []
-    if os.geteuid() != 0:
-        missing.append("root (network namespaces and veth pairs)")
-    if shutil.which("ip") is None:
-        missing.append("the `ip` command (iproute2)")
-    if shutil.which("iptables") is None:
-        missing.append("iptables, for the client pods' redirect to their proxy (SO_ORIGINAL_DST needs a NAT rule)")
-    if importlib.util.find_spec("ztwisted.inpod.agent") is None:
-        missing.append("ztwisted.inpod.agent (the ZDS node agent)")
+    # iptables: the client pods' redirect to their proxy (SO_ORIGINAL_DST needs a NAT rule)
+    missing = missing_for_network_setup("ip", "iptables")
+    if importlib.util.find_spec("ztwisted.tools.agent") is None:
+        missing.append("ztwisted.tools.agent (the ZDS node agent)")
     return missing
 
 
@@ -86,46 +79,6 @@ def check_netns_mode() -> None:
             "--mode netns is not available here; missing:\n  - " + "\n  - ".join(missing)
             + "\nUse --mode loopback (the default)."
         )
-
-
-def enter_netns(path: str) -> None:
-    """Move the calling thread into the network namespace at ``path`` (threads it starts follow)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _libc().setns(fd, CLONE_NEWNET) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns({path}): {os.strerror(error)}")
-    finally:
-        os.close(fd)
-
-
-def in_netns(path: str, function):
-    """Run ``function`` in a thread inside the namespace at ``path``; its result or its exception."""
-    outcome: dict = {}
-
-    def run():
-        try:
-            enter_netns(path)
-            outcome["result"] = function()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, name="lab-in-netns", daemon=True)
-    thread.start()
-    thread.join(30)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("result")
-
-
-_LIBC = None
-
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-    return _LIBC
 
 
 def _run(*command: str) -> None:
@@ -217,7 +170,7 @@ class Agent:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ztwisted.inpod.agent", "serve", "--socket", str(self.socket_path),
+            [sys.executable, "-m", "ztwisted.tools.agent", "serve", "--socket", str(self.socket_path),
              "--control", f"tcp:15099:interface={self.control_ip}"],
             stdout=self._log, stderr=subprocess.STDOUT,
         )
@@ -277,9 +230,9 @@ class NetnsPlatform(Platform):
         write_mesh(self.b_mesh, addresses)
         self.cleanup.callback(self.namespaces.destroy)
         self.namespaces.create()
-        self.b1_app = in_netns(self.namespaces.path("b1"), ServerApp("b1", addresses.b1, APP_PORT).start)
+        self.b1_app = call_in_netns(self.namespaces.path("b1"), ServerApp("b1", addresses.b1, APP_PORT).start)
         self.cleanup.callback(self.b1_app.close)
-        b2 = in_netns(self.namespaces.path("b2"), ServerApp("b2", addresses.b2, APP_PORT).start)
+        b2 = call_in_netns(self.namespaces.path("b2"), ServerApp("b2", addresses.b2, APP_PORT).start)
         self.cleanup.callback(b2.close)
         self.agents = {}
         for node, control_ip in (("node-a", addresses.agent_a), ("node-b", addresses.agent_b)):

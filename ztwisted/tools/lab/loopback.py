@@ -3,18 +3,18 @@
 The client apps reach node A through its SOCKS5 port, leaving from their
 pod's address; lifecycle events go through node B's admin API
 (``POST /workloads/b1/terminating``, ``DELETE /workloads/b1``); the network
-teardown is a blackhole route (see :mod:`ztwisted.lab.teardown`).
+teardown is a blackhole route (see :mod:`ztwisted.tools.lab.teardown`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ztwisted.lab.clients import socks5_connector
-from ztwisted.lab.mesh import APP_PORT, SERVICE_PORT, Addresses, write_mesh
-from ztwisted.lab.platform import Platform, admin_call
-from ztwisted.lab.server import ServerApp
-from ztwisted.lab.teardown import Blackhole, TeardownUnavailable, blackhole_available
+from ztwisted.tools.lab.clients import socks5_connector
+from ztwisted.tools.lab.mesh import APP_PORT, SERVICE_PORT, Addresses, write_mesh
+from ztwisted.tools.lab.platform import Platform, admin_call
+from ztwisted.tools.lab.server import ServerApp
+from ztwisted.tools.lab.teardown import Blackhole, TeardownUnavailable, blackhole_available
 
 
 class LoopbackPlatform(Platform):

@@ -38,13 +38,12 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from ztwisted.inpod import wire
-from ztwisted.inpod.netns import Netns
+from ztwisted.inpod import DEFAULT_SOCKET_PATH, wire
 from ztwisted.inpod.seqpacket import SeqpacketConnection, SeqpacketListener
+from ztwisted.netns import Netns
 
-log = Logger(namespace="ztwisted.inpod.agent")
+log = Logger(namespace="ztwisted.tools.agent")
 
-DEFAULT_SOCKET = "/var/run/ztunnel/ztunnel.sock"
 DEFAULT_CONTROL = "tcp:15099:interface=127.0.0.1"
 CONTROL_ENV = "ZTUNNEL_AGENT_CONTROL"
 ACK_TIMEOUT = 5.0  # the real agent's read/write deadline
@@ -591,7 +590,7 @@ def _parser() -> argparse.ArgumentParser:
                     f"(default: ${CONTROL_ENV} or {DEFAULT_CONTROL})")
 
     serve = commands.add_parser("serve", help="run the agent")
-    serve.add_argument("--socket", default=DEFAULT_SOCKET, help=f"ZDS socket path (default {DEFAULT_SOCKET})")
+    serve.add_argument("--socket", default=DEFAULT_SOCKET_PATH, help=f"ZDS socket path (default {DEFAULT_SOCKET_PATH})")
     serve.add_argument("--control", default=None, help=control_help)
     serve.add_argument("--ack-timeout", type=float, default=ACK_TIMEOUT, help="seconds to wait for each Ack")
     serve.add_argument("--hello-timeout", type=float, default=HELLO_TIMEOUT, help="seconds to wait for the hello")

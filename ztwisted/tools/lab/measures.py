@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from ztwisted.lab.clients import FAILURE_KINDS, RequestRecord
-from ztwisted.lab.probes import delta, total
+from ztwisted.tools.lab.clients import FAILURE_KINDS, RequestRecord
+from ztwisted.tools.lab.probes import delta, total
 
 BIN = 0.5  # seconds per bar of the request-rate series
 

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import attr
 
-from ztwisted.harness import Socks5Refused, socks5_connect
-from ztwisted.lab.protocol import ClosedEarly, FrameReader, ProtocolError, Request, encode_request, read_response
+from ztwisted.tools.harness import Socks5Refused, socks5_connect
+from ztwisted.tools.lab.protocol import ClosedEarly, FrameReader, ProtocolError, Request, encode_request, read_response
 
 
 def socks5_connector(proxy: tuple[str, int], source_ip: str, host: str, port: int) -> Callable[[float], socket.socket]:

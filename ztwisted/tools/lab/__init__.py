@@ -2,17 +2,17 @@
 
 Python API::
 
-    from ztwisted.lab import LabConfig, Timeline, run_lab, render_svg, format_table
+    from ztwisted.tools.lab import LabConfig, Timeline, run_lab, render_svg, format_table
     results = run_lab(LabConfig(strategies=["immediate", "last-mile"], timeline=Timeline().scaled(8)))
 
 See docs/drain-lab.rst.
 """
 
-from ztwisted.lab.chart import render_svg
-from ztwisted.lab.clients import Traffic
-from ztwisted.lab.report import format_table, write_json
-from ztwisted.lab.runner import run_lab
-from ztwisted.lab.scenario import DEFAULT_STRATEGIES, LabConfig, LabError, Strategy, Timeline
+from ztwisted.tools.lab.chart import render_svg
+from ztwisted.tools.lab.clients import Traffic
+from ztwisted.tools.lab.report import format_table, write_json
+from ztwisted.tools.lab.runner import run_lab
+from ztwisted.tools.lab.scenario import DEFAULT_STRATEGIES, LabConfig, LabError, Strategy, Timeline
 
 __all__ = [
     "DEFAULT_STRATEGIES",

@@ -159,6 +159,37 @@ class Netns:
         return f"<Netns {self.name} inode={self.inode} {state}>"
 
 
+def enter_netns(path: str) -> None:
+    """Move the calling thread into the network namespace at ``path``, for good (a thread
+    cannot leave it again; threads it starts follow it). For threads of their own only."""
+    with Netns.open(path) as netns:
+        try:
+            _setns(netns.fileno(), CLONE_NEWNET)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot enter network namespace {path}: {exc.strerror or exc}") from exc
+
+
+def call_in_netns(path: str, fn: Callable[[], T], *, timeout: float = 30.0) -> T:
+    """Blocking: ``fn()`` on a new thread inside the namespace at ``path``; its result, or its
+    exception raised here. For tools and tests off the reactor thread; the proxy uses
+    :func:`run_in_netns`."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            enter_netns(path)
+            outcome["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name=f"netns {path}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
 def run_in_netns(netns: Netns, fn: Callable[[], T], *, reactor: Any = None) -> defer.Deferred[T]:
     """Run ``fn()`` inside ``netns`` on a dedicated thread; the Deferred fires on the reactor thread.
 

@@ -8,9 +8,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ztwisted.harness import NodeProcess
-from ztwisted.lab.mesh import Addresses
-from ztwisted.lab.server import ServerApp
+from ztwisted.tools.harness import NodeProcess
+from ztwisted.tools.lab.mesh import Addresses
+from ztwisted.tools.lab.server import ServerApp
 
 
 class LabError(Exception):

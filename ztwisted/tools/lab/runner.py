@@ -16,11 +16,11 @@ import attr
 
 from ztwisted import __version__
 from ztwisted.drain.registry import installed_strategies
-from ztwisted.lab.measures import event_time, measure, series
-from ztwisted.lab.mesh import Addresses
-from ztwisted.lab.netns import NetnsAddresses, check_netns_mode
-from ztwisted.lab.probes import total
-from ztwisted.lab.scenario import LabConfig, LabError, Strategy, StrategyRun
+from ztwisted.tools.lab.measures import event_time, measure, series
+from ztwisted.tools.lab.mesh import Addresses
+from ztwisted.tools.lab.netns import NetnsAddresses, check_netns_mode
+from ztwisted.tools.lab.probes import total
+from ztwisted.tools.lab.scenario import LabConfig, LabError, Strategy, StrategyRun
 
 #: what a seed cannot pin down, said in every result
 NOT_DETERMINISTIC = (

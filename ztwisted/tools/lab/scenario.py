@@ -22,12 +22,12 @@ from pathlib import Path
 
 import attr
 
-from ztwisted.harness import NodeProcess
-from ztwisted.lab.clients import Clock, PerRequestApp, PoolingApp, Recorder, Traffic
-from ztwisted.lab.loopback import LoopbackPlatform
-from ztwisted.lab.mesh import write_mesh
-from ztwisted.lab.platform import LabError
-from ztwisted.lab.probes import Sampler, fetch, parse_metrics, total
+from ztwisted.tools.harness import NodeProcess
+from ztwisted.tools.lab.clients import Clock, PerRequestApp, PoolingApp, Recorder, Traffic
+from ztwisted.tools.lab.loopback import LoopbackPlatform
+from ztwisted.tools.lab.mesh import write_mesh
+from ztwisted.tools.lab.platform import LabError
+from ztwisted.tools.lab.probes import Sampler, fetch, parse_metrics, total
 
 __all__ = ["DEFAULT_STRATEGIES", "LabConfig", "LabError", "Strategy", "StrategyRun", "Timeline"]
 
@@ -128,7 +128,7 @@ Progress = Callable[[str, float, int, int], None]  # phase, seconds, ok, failed
 
 def platform_for(config: LabConfig, workdir: Path, state_dir: Path):
     if config.mode == "netns":
-        from ztwisted.lab.netns import NetnsPlatform
+        from ztwisted.tools.lab.netns import NetnsPlatform
 
         return NetnsPlatform(config, workdir, state_dir)
     return LoopbackPlatform(config, workdir, state_dir)

@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 
-from ztwisted.lab.protocol import FrameReader, ProtocolError, Response, encode_response, read_request
+from ztwisted.tools.lab.protocol import FrameReader, ProtocolError, Response, encode_response, read_request
 
 POLL = 0.02
 

@@ -1,0 +1,5 @@
+"""Tools around the proxy, not part of it: the node agent (``ztunnel-agent``), the drain lab
+(``ztunnel-lab``), the harness that runs real node processes, and ZDS test helpers.
+
+The proxy's runtime (everything else in :mod:`ztwisted`) never imports from here.
+"""

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import attrs
+
 from ztwisted.interfaces import IDrainEvents
 from ztwisted.model import Mesh, diff
 from ztwisted.node import Node
 
 
+@attrs.define
 class MeshReconciler:
     """Switches the node to a new mesh; a removed or changed local workload is a *pod removed*
     event, a removed remote one a *destination removed* event (both raised on ``events``)."""
 
-    def __init__(self, node: Node, events: IDrainEvents):
-        self.node = node
-        self.events = events
+    node: Node
+    events: IDrainEvents
 
     def apply_mesh(self, mesh: Mesh) -> None:
         workloads = self.node.workloads

@@ -22,6 +22,8 @@ class TCPEnd(Protocol):
     (the SOCKS5 protocol does that after its handshake).
     """
 
+    attach = Protocol.makeConnection
+
     def __init__(self) -> None:
         self.partner = None
         self.finished: defer.Deferred = defer.Deferred()
@@ -47,8 +49,6 @@ class TCPEnd(Protocol):
             self.write_eof()
         if not self.connected_deferred.called:
             self.connected_deferred.callback(self)
-
-    attach = Protocol.makeConnection
 
     def dataReceived(self, data: bytes) -> None:
         self.bytes_received += len(data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 from twisted.internet import defer
 from zope.interface import implementer
 
@@ -11,12 +12,15 @@ from ztwisted.node import Node
 
 
 @implementer(IDrainView)
+@attrs.define
 class NodeView:
     """:class:`ztwisted.interfaces.IDrainView` over a :class:`~ztwisted.node.Node`."""
 
-    def __init__(self, node: Node):
-        self._node = node
-        self._pool = node.outbound.pool
+    _node: Node
+
+    @property
+    def _pool(self):
+        return self._node.outbound.pool
 
     @property
     def clock(self):

@@ -31,6 +31,7 @@ class DrainDeadline:
         return max(0.0, self._deadline - self.clock.seconds())
 
 
+@attrs.define
 class DrainFacade:
     """The node as drain strategies see it (``node`` in each :class:`~ztwisted.interfaces.IDrainStrategy` method).
 
@@ -39,9 +40,8 @@ class DrainFacade:
     returns a Deferred that fires when the connection is gone.
     """
 
-    def __init__(self, view: IDrainView, deadline: DrainDeadline):
-        self._view = view
-        self._deadline = deadline
+    _view: IDrainView
+    _deadline: DrainDeadline
 
     @property
     def clock(self):

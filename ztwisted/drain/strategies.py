@@ -2,9 +2,10 @@
 
 Their plugin objects are in ``plugins/ztwisted_strategies.py``. Each handler
 gets the node's :class:`~ztwisted.drain.facade.DrainFacade`. What a strategy
-leaves undone the node does after the event: on *pod removed* it closes the
-pod's listeners and aborts its remaining connections (ztunnel's behaviour);
-on *proxy stopping* it drains everything gracefully up to the deadline.
+leaves undone the drain controller does after the event: on *pod removed* it
+aborts the pod's remaining connections and closes its listeners (ztunnel's
+behaviour); on *proxy stopping* it drains everything gracefully up to the
+deadline.
 """
 
 from __future__ import annotations

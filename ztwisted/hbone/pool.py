@@ -165,11 +165,6 @@ class ConnectionPool:
             for connection in connections
         ]
 
-    def close_all(self, graceful: bool = True, deadline: float | None = None) -> defer.Deferred:
-        return defer.DeferredList(
-            [connection.drain(graceful=graceful, deadline=deadline) for connection in self.connections()]
-        )
-
     def snapshot(self) -> list[dict]:
         return [
             {

@@ -28,7 +28,7 @@ from twisted.internet.interfaces import (
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import Interface, implementer
+from zope.interface import implementer
 
 SOCKS_VERSION = 5
 METHOD_NO_AUTH = 0x00
@@ -81,26 +81,6 @@ class Socks5Request:
     host: str
     port: int
     address_type: AddressType
-
-
-class ISocks5Sink(Interface):
-    """Where the relayed client bytes go after a successful CONNECT."""
-
-    def attach(transport):
-        """The client's transport; write to it to send bytes to the client."""
-
-    def dataReceived(data):
-        """Bytes from the client."""
-
-    def readConnectionLost():
-        """The client half-closed (sent FIN); it may still read.
-
-        The sink now owns closing: it must call ``transport.loseConnection()``
-        once its own side is done.
-        """
-
-    def connectionLost(reason):
-        """The client connection is gone."""
 
 
 # Errors from connecting, mapped to the nearest RFC 1928 reply.
@@ -432,6 +412,8 @@ class Socks5Protocol(Protocol):
 class Socks5Factory(Factory):
     """Builds a :class:`Socks5Protocol` per client, all sharing one callback."""
 
+    protocol = Socks5Protocol
+
     def __init__(
         self,
         connect_request: Callable[[Socks5Request], defer.Deferred[Any]],
@@ -443,8 +425,6 @@ class Socks5Factory(Factory):
         self.clock = clock
         self.on_error = on_error
         self.handshake_timeout = handshake_timeout
-
-    protocol = Socks5Protocol
 
     def buildProtocol(self, addr: Any) -> Socks5Protocol:
         protocol = self.protocol(self.connect_request, self.clock, self.on_error,

@@ -10,12 +10,11 @@ can exclude the proxy's own traffic.
 
 from __future__ import annotations
 
-import socket
-
 from twisted.internet import defer
 
-from ztwisted.netns import Netns, connecting_socket_in, listening_socket_in, run_in_netns
-from ztwisted.sockets import allow_accept_queue_migration, client_socket, connect_socket, listen_tcp
+from ztwisted.endpoints import ReusePortEndpoint
+from ztwisted.netns import Netns, connecting_socket_in, run_in_netns
+from ztwisted.sockets import allow_accept_queue_migration, client_socket, connect_socket
 
 
 class HostNetwork:
@@ -28,7 +27,7 @@ class HostNetwork:
         self.mark = mark
 
     def listen(self, ip: str, port: int, factory) -> defer.Deferred:
-        return defer.maybeDeferred(listen_tcp, self.reactor, ip, port, factory, mark=self.mark)
+        return ReusePortEndpoint(self.reactor, port, ip, mark=self.mark).listen(factory)
 
     def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
         """Connect; fires with the protocol ``factory`` built."""
@@ -54,14 +53,7 @@ class PodNetwork:
     def listen(self, ip: str, port: int, factory) -> defer.Deferred:
         # Per namespace: a restarted proxy then loses none of the pod's queued connections.
         run_in_netns(self.netns, allow_accept_queue_migration, reactor=self.reactor).addErrback(lambda failure: None)
-
-        def adopt(sock: socket.socket):
-            try:
-                return self.reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
-            finally:
-                sock.close()
-
-        return listening_socket_in(self.netns, ip, port, mark=self.mark, reactor=self.reactor).addCallback(adopt)
+        return ReusePortEndpoint(self.reactor, port, ip, mark=self.mark, netns=self.netns).listen(factory)
 
     def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
         created = connecting_socket_in(self.netns, ip, source_ip=source_ip, mark=self.mark, reactor=self.reactor)

@@ -9,8 +9,6 @@ import socket
 import struct
 from typing import Any
 
-from twisted.application import strports
-from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.protocol import Factory
 from twisted.python.failure import Failure
@@ -41,9 +39,8 @@ def listening_socket(ip: str, port: int, *, reuse_port: bool = True, backlog: in
     return sock
 
 
-def listen_tcp(reactor, ip: str, port: int, factory, **options):
-    """Listen on ``ip:port`` with :func:`listening_socket`; returns the IListeningPort."""
-    sock = listening_socket(ip, port, **options)
+def adopt_listening_socket(reactor, sock: socket.socket, factory):
+    """Hand a listening socket to the reactor; returns the IListeningPort (``sock`` is closed)."""
     try:
         return reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
     finally:
@@ -206,47 +203,6 @@ def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], 
 
     return waiter.result.addCallback(adopt).addBoth(close_socket)
 
-
-
-class ReusePortService(Service):
-    """A TCP listener service with SO_REUSEPORT (so a new process can share its port)."""
-
-    def __init__(self, reactor, ip: str, port: int, factory, backlog: int = 1024):
-        self.reactor = reactor
-        self.ip = ip
-        self.port = port
-        self.factory = factory
-        self.backlog = backlog
-        self.listening_port = None
-
-    def privilegedStartService(self):
-        self.listening_port = listen_tcp(self.reactor, self.ip, self.port, self.factory, backlog=self.backlog)
-        super().privilegedStartService()
-
-    def startService(self):
-        if self.listening_port is None:
-            self.listening_port = listen_tcp(self.reactor, self.ip, self.port, self.factory, backlog=self.backlog)
-        super().startService()
-
-    def stopService(self):
-        super().stopService()
-        port, self.listening_port = self.listening_port, None
-        if port is not None:
-            return defer.maybeDeferred(port.stopListening)
-
-
-def listener_service(description: str, factory, reactor):
-    """A service for an endpoint description: TCP ones get SO_REUSEPORT, others go through strports."""
-    parts = description.split(":")
-    if parts[0] in ("tcp", "tcp6") and len(parts) >= 2 and parts[1].isdigit():
-        options = dict(part.split("=", 1) for part in parts[2:] if "=" in part)
-        known = {"interface", "backlog"}
-        if set(options) <= known and all("=" in part for part in parts[2:]):
-            default_ip = "::" if parts[0] == "tcp6" else "0.0.0.0"
-            return ReusePortService(
-                reactor, options.get("interface", default_ip), int(parts[1]), factory, int(options.get("backlog", 1024))
-            )
-    return strports.service(description, factory, reactor=reactor)
 
 
 def allow_accept_queue_migration() -> bool:

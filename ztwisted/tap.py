@@ -24,6 +24,7 @@ from ztwisted.drain.controller import DrainController, drain_timeout_from_enviro
 from ztwisted.drain.facade import DrainDeadline
 from ztwisted.drain.registry import DEFAULT_STRATEGY, UnknownStrategy, describe, select
 from ztwisted.dump import ConfigDump
+from ztwisted.endpoints import listener_service
 from ztwisted.inpod import DEFAULT_SOCKET_PATH
 from ztwisted.logs import observer_for
 from ztwisted.metrics import Metrics
@@ -31,7 +32,7 @@ from ztwisted.network import HostNetwork
 from ztwisted.node import Node
 from ztwisted.readiness import Readiness
 from ztwisted.reconcile import MeshReconciler
-from ztwisted.sockets import allow_accept_queue_migration, listener_service
+from ztwisted.sockets import allow_accept_queue_migration
 from ztwisted.view import NodeView
 from ztwisted.workloads import LocalWorkloads
 

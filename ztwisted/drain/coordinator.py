@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from twisted.internet import defer
 from twisted.logger import Logger
 
@@ -39,25 +41,27 @@ class DrainCoordinator:
             strategy.attach(self.facade)
 
     def pod_terminating(self, workload) -> defer.Deferred:
-        return self._deliver("pod_terminating", workload)
+        return self._deliver("pod_terminating", workload.name, lambda strategy: strategy.pod_terminating(self.facade, workload))
 
     def pod_removed(self, workload) -> defer.Deferred:
-        return self._deliver("pod_removed", workload)
+        return self._deliver("pod_removed", workload.name, lambda strategy: strategy.pod_removed(self.facade, workload))
 
     def destination_removed(self, workload) -> defer.Deferred:
-        return self._deliver("destination_removed", workload)
+        return self._deliver(
+            "destination_removed", workload.name, lambda strategy: strategy.destination_removed(self.facade, workload)
+        )
 
     def proxy_stopping(self) -> defer.Deferred:
-        return self._deliver("proxy_stopping")
+        return self._deliver("proxy_stopping", "proxy", lambda strategy: strategy.proxy_stopping(self.facade))
 
-    def _deliver(self, event: str, *args) -> defer.Deferred:
+    def _deliver(self, event: str, subject: str, handle: Callable[[object], object]) -> defer.Deferred:
+        """``handle(strategy)`` for each strategy in order; fires when every one's part is done."""
         started = self.clock.seconds()
-        subject = args[0].name if args else "proxy"
         log.info("drain event {event} for {subject}: strategies {strategies}", event=event, subject=subject, strategies=self.names)
         results = []
         for strategy in self.strategies:
             self._events.labels(strategy=strategy.name, event=event).inc()
-            handled = defer.maybeDeferred(getattr(strategy, event), self.facade, *args)
+            handled = defer.maybeDeferred(handle, strategy)
             handled.addErrback(self._failed, strategy, event, subject)
             results.append(handled)
 

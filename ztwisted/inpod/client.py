@@ -119,6 +119,86 @@ class _Job:
         self.fds.clear()
 
 
+@attrs.define
+class _SerialJobs:
+    """Requests are handled one at a time, in order: the next job starts when the last one's Deferred fires."""
+
+    _jobs: deque[_Job] = attrs.Factory(deque)
+    _busy: bool = False
+    _pumping: bool = False
+
+    def enqueue(self, job: _Job) -> None:
+        self._jobs.append(job)
+        self._pump()
+
+    def discard_session(self, session: _Session) -> None:
+        for job in [job for job in self._jobs if job.session is session]:
+            self._jobs.remove(job)
+            job.discard()
+
+    def _pump(self) -> None:
+        if self._pumping:
+            return  # a job finished synchronously: the loop below carries on
+        self._pumping = True
+        try:
+            while not self._busy and self._jobs:
+                job = self._jobs.popleft()
+                if not job.session.open:
+                    job.discard()
+                    continue
+                self._busy = True
+                job.fds = []  # the job's handler owns them now
+                result = defer.maybeDeferred(job.run)
+                result.addErrback(lambda f: log.failure("ZDS request handling failed unexpectedly", f))
+                result.addBoth(self._job_done)
+        finally:
+            self._pumping = False
+
+    def _job_done(self, _: Any) -> None:
+        self._busy = False
+        self._pump()
+
+
+def validate_datagram(payload: bytes, fds: list[int], flags: int, max_datagram: int) -> tuple[wire.Request, Netns | None]:
+    """Decode and check one datagram; on any error every received fd is closed."""
+    try:
+        if flags & socket.MSG_TRUNC:
+            raise wire.ZdsProtocolError(
+                "truncated", f"received a truncated message (larger than {max_datagram} bytes)")
+        if flags & socket.MSG_CTRUNC:
+            raise wire.ZdsProtocolError(
+                "control_truncated", "received truncated ancillary data (too many fds?)")
+        if len(fds) > 1:
+            raise wire.ZdsProtocolError("too_many_fds", f"expected at most 1 fd with a message, got {len(fds)}")
+        request = wire.decode_request(payload)
+        if isinstance(request, wire.AddWorkload):
+            if not fds:
+                raise wire.ZdsProtocolError(
+                    "missing_fd", f"add for uid {request.uid!r} without a network namespace fd")
+        elif fds:
+            raise wire.ZdsProtocolError(
+                "unexpected_fd", f"{request.kind} request carries an fd; only add may")
+    except wire.ZdsProtocolError:
+        for fd in fds:
+            _close_fd(fd)
+        raise
+    if not fds:
+        return request, None
+    fd = fds[0]
+    try:
+        netns = Netns(fd, name=f"netns of pod {request.uid}")
+    except OSError as exc:
+        _close_fd(fd)
+        raise wire.ZdsProtocolError("not_a_netns", f"the fd sent with add for uid {request.uid!r}: {exc}") from exc
+    try:
+        netns.check()
+    except NotANetworkNamespace as exc:
+        netns.close()
+        raise wire.ZdsProtocolError("not_a_netns", str(exc)) from exc
+    return request, netns
+
+
+
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)
@@ -153,9 +233,19 @@ class _Session:
             log.warn("{session}: Ack not sent, the connection to the node agent is gone (error={error!r})",
                      session=self.conn.name, error=error)
 
+    def protocol_error(self, err: wire.ZdsProtocolError) -> None:
+        """Answer with an error Ack and drop the connection (the agent resends its snapshot)."""
+        log.error("ZDS protocol error from the node agent ({reason}): {message}; answering with an error Ack "
+                  "and reconnecting", reason=err.reason, message=err.message)
+        if self.client._metrics is not None:
+            self.client._metrics.protocol_errors.labels(reason=err.reason).inc()
+        self.failed = True
+        self.ack(err.message)
+        self.conn.close_after_flush()
+
     # ISeqpacketHandler
     def datagram_received(self, payload: bytes, fds: list[int], flags: int) -> None:
-        self.client._enqueue(_Job(self, lambda: self.client._handle(self, payload, fds, flags), list(fds)))
+        self.client._jobs.enqueue(_Job(self, lambda: self.client._handle(self, payload, fds, flags), list(fds)))
 
     def connection_lost(self, reason: Failure) -> None:
         self.client._session_lost(self, reason)
@@ -201,9 +291,7 @@ class ZdsClient(service.Service):
         self._delay = backoff[0]
         self._reconnect_call: Any = None
         self._retry_call: Any = None
-        self._jobs: deque[_Job] = deque()
-        self._busy = False
-        self._pumping = False
+        self._jobs = _SerialJobs()
         self._netns_ids: dict[str, tuple[int, int]] = {}  # running pods: uid -> (st_dev, st_ino)
         self._pending: dict[str, _Pending] = {}  # failed starts, waiting for a retry
         self._starting: set[str] = set()  # add_pod calls in flight
@@ -292,47 +380,17 @@ class ZdsClient(service.Service):
         for pending in self._pending.values():
             pending.netns.close()
         self._pending.clear()
-        for job in [job for job in self._jobs if job.session is session]:
-            self._jobs.remove(job)
-            job.discard()
+        self._jobs.discard_session(session)
         self._update_gauges()
         self._schedule_reconnect()
-
-    # -- the serial work queue -----------------------------------------------
-
-    def _enqueue(self, job: _Job) -> None:
-        self._jobs.append(job)
-        self._pump()
-
-    def _pump(self) -> None:
-        if self._pumping:
-            return  # a job finished synchronously: the loop below carries on
-        self._pumping = True
-        try:
-            while not self._busy and self._jobs:
-                job = self._jobs.popleft()
-                if not job.session.open:
-                    job.discard()
-                    continue
-                self._busy = True
-                job.fds = []  # the job's handler owns them now
-                result = defer.maybeDeferred(job.run)
-                result.addErrback(lambda f: log.failure("ZDS request handling failed unexpectedly", f))
-                result.addBoth(self._job_done)
-        finally:
-            self._pumping = False
-
-    def _job_done(self, _: Any) -> None:
-        self._busy = False
-        self._pump()
 
     # -- one datagram ----------------------------------------------------------
 
     def _handle(self, session: _Session, payload: bytes, fds: list[int], flags: int) -> defer.Deferred | None:
         try:
-            request, netns = self._validate(payload, fds, flags)
+            request, netns = validate_datagram(payload, fds, flags, self.max_datagram)
         except wire.ZdsProtocolError as err:
-            self._protocol_error(session, err)
+            session.protocol_error(err)
             return None
         log.info("{session}: {kind} {uid}", session=session.conn.name, kind=request.kind,
                  uid=getattr(request, "uid", ""))
@@ -341,59 +399,12 @@ class ZdsClient(service.Service):
         except wire.ZdsProtocolError as err:
             if netns is not None:
                 netns.close()
-            self._protocol_error(session, err)
+            session.protocol_error(err)
             return None
         except Exception as exc:  # a bug here must still answer the agent
             log.failure("handling {kind} failed", kind=request.kind)
             outcome = defer.succeed(f"internal error handling {request.kind}: {exc}")
         return outcome.addCallback(session.ack)
-
-    def _validate(self, payload: bytes, fds: list[int], flags: int) -> tuple[wire.Request, Netns | None]:
-        """Decode and check one datagram; on any error every received fd is closed."""
-        try:
-            if flags & socket.MSG_TRUNC:
-                raise wire.ZdsProtocolError(
-                    "truncated", f"received a truncated message (larger than {self.max_datagram} bytes)")
-            if flags & socket.MSG_CTRUNC:
-                raise wire.ZdsProtocolError(
-                    "control_truncated", "received truncated ancillary data (too many fds?)")
-            if len(fds) > 1:
-                raise wire.ZdsProtocolError("too_many_fds", f"expected at most 1 fd with a message, got {len(fds)}")
-            request = wire.decode_request(payload)
-            if isinstance(request, wire.AddWorkload):
-                if not fds:
-                    raise wire.ZdsProtocolError(
-                        "missing_fd", f"add for uid {request.uid!r} without a network namespace fd")
-            elif fds:
-                raise wire.ZdsProtocolError(
-                    "unexpected_fd", f"{request.kind} request carries an fd; only add may")
-        except wire.ZdsProtocolError:
-            for fd in fds:
-                _close_fd(fd)
-            raise
-        if not fds:
-            return request, None
-        fd = fds[0]
-        try:
-            netns = Netns(fd, name=f"netns of pod {request.uid}")
-        except OSError as exc:
-            _close_fd(fd)
-            raise wire.ZdsProtocolError("not_a_netns", f"the fd sent with add for uid {request.uid!r}: {exc}") from exc
-        try:
-            netns.check()
-        except NotANetworkNamespace as exc:
-            netns.close()
-            raise wire.ZdsProtocolError("not_a_netns", str(exc)) from exc
-        return request, netns
-
-    def _protocol_error(self, session: _Session, err: wire.ZdsProtocolError) -> None:
-        log.error("ZDS protocol error from the node agent ({reason}): {message}; answering with an error Ack "
-                  "and reconnecting", reason=err.reason, message=err.message)
-        if self._metrics is not None:
-            self._metrics.protocol_errors.labels(reason=err.reason).inc()
-        session.failed = True
-        session.ack(err.message)
-        session.conn.close_after_flush()
 
     def _apply(self, session: _Session, request: wire.Request, netns: Netns | None) -> defer.Deferred:
         """Carry out a valid request; fires with the Ack's error text ("" for success)."""
@@ -518,7 +529,7 @@ class ZdsClient(service.Service):
         self._retry_call = None
         session = self._session
         if session is not None and self._pending:
-            self._enqueue(_Job(session, self._retry_pending))
+            self._jobs.enqueue(_Job(session, self._retry_pending))
 
     @defer.inlineCallbacks
     def _retry_pending(self):

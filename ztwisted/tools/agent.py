@@ -21,7 +21,6 @@ request's Ack.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -34,10 +33,12 @@ import attrs
 from twisted.internet import defer
 from twisted.internet.endpoints import serverFromString
 from twisted.logger import Logger
+from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
+from ztwisted import __version__
 from ztwisted.inpod import DEFAULT_SOCKET_PATH, wire
 from ztwisted.inpod.seqpacket import SeqpacketConnection, SeqpacketListener
 from ztwisted.netns import Netns
@@ -583,49 +584,98 @@ def call_control(control: str, operation: str, body: dict[str, Any] | None = Non
         return response.status, {"error": data.decode("utf-8", "replace")}
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ztunnel-agent", description="A ZDS node agent for tests, demos and labs.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    control_help = (f"control API address: tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT "
-                    f"(default: ${CONTROL_ENV} or {DEFAULT_CONTROL})")
-
-    serve = commands.add_parser("serve", help="run the agent")
-    serve.add_argument("--socket", default=DEFAULT_SOCKET_PATH, help=f"ZDS socket path (default {DEFAULT_SOCKET_PATH})")
-    serve.add_argument("--control", default=None, help=control_help)
-    serve.add_argument("--ack-timeout", type=float, default=ACK_TIMEOUT, help="seconds to wait for each Ack")
-    serve.add_argument("--hello-timeout", type=float, default=HELLO_TIMEOUT, help="seconds to wait for the hello")
-    serve.add_argument("--manual-snapshot", action="store_true",
-                       help="do not end snapshots; `snapshot-end` sends SnapshotSent")
-
-    def client(name: str, help_text: str, uid: bool = True) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--control", default=None, help=control_help)
-        sub.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the agent")
-        if uid:
-            sub.add_argument("--uid", required=True, help="the pod's uid")
-        return sub
-
-    add = client("add", "add a pod (Add to the newest proxy)")
-    add.add_argument("--name", required=True)
-    add.add_argument("--namespace", required=True)
-    add.add_argument("--service-account", required=True)
-    add.add_argument("--netns", required=True, help="network namespace file, e.g. /var/run/netns/NAME")
-    client("keep", "Keep a pod (newest proxy; only valid during a snapshot)")
-    client("delete", "delete a pod (Del to every proxy)")
-    client("shutdown-starting", "the pod started terminating (to every proxy)")
-    client("snapshot-end", "send SnapshotSent to the newest proxy", uid=False)
-    client("status", "show proxies and pods", uid=False)
-    return parser
+CONTROL_HELP = (f"Control API address: tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT "
+                f"(default: ${CONTROL_ENV} or {DEFAULT_CONTROL}).")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if seconds <= 0:
+        raise ValueError(f"{value} is not a positive number of seconds")
+    return seconds
+
+
+class ServeOptions(usage.Options):
+    """``ztunnel-agent serve``."""
+
+    longdesc = "Run the agent: listen for proxies on the ZDS socket and serve the control API."
+    optParameters = [
+        ["socket", None, DEFAULT_SOCKET_PATH, "ZDS socket path."],
+        ["control", None, None, CONTROL_HELP],
+        ["ack-timeout", None, ACK_TIMEOUT, "Seconds to wait for each Ack.", _positive_seconds],
+        ["hello-timeout", None, HELLO_TIMEOUT, "Seconds to wait for the hello.", _positive_seconds],
+    ]
+    optFlags = [["manual-snapshot", None, "Do not end snapshots; `snapshot-end` sends SnapshotSent."]]
+
+
+class ControlOptions(usage.Options):
+    """A command that calls the control API of a running agent."""
+
+    longdesc = "Call the control API of a running agent; prints its JSON answer."
+    optParameters = [
+        ["control", None, None, CONTROL_HELP],
+        ["timeout", None, 120.0, "Seconds to wait for the agent.", _positive_seconds],
+    ]
+    #: options that must be given (besides --control and --timeout)
+    required: tuple[str, ...] = ()
+
+    def postOptions(self) -> None:
+        missing = [f"--{name}" for name in self.required if not self[name]]
+        if missing:
+            raise usage.UsageError(f"missing {', '.join(missing)}")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the control call."""
+        return {name.replace("-", "_"): self[name] for name in self.required}
+
+
+class PodOptions(ControlOptions):
+    optParameters = [["uid", None, None, "The pod's uid."]]
+    required = ("uid",)
+
+
+class AddOptions(PodOptions):
+    optParameters = [
+        ["name", None, None, "The pod's name."],
+        ["namespace", None, None, "The pod's namespace."],
+        ["service-account", None, None, "The pod's service account."],
+        ["netns", None, None, "Network namespace file, e.g. /var/run/netns/NAME."],
+    ]
+    required = ("uid", "name", "namespace", "service-account", "netns")
+
+
+class AgentOptions(usage.Options):
+    """``ztunnel-agent``: the options and subcommands, in twistd's conventions."""
+
+    synopsis = "ztunnel-agent"
+    longdesc = "A ZDS node agent for tests, demos and labs."
+    subCommands = [
+        ["serve", None, ServeOptions, "Run the agent."],
+        ["add", None, AddOptions, "Add a pod (Add to the newest proxy)."],
+        ["keep", None, PodOptions, "Keep a pod (newest proxy; only valid during a snapshot)."],
+        ["delete", None, PodOptions, "Delete a pod (Del to every proxy)."],
+        ["shutdown-starting", None, PodOptions, "The pod started terminating (to every proxy)."],
+        ["snapshot-end", None, ControlOptions, "Send SnapshotSent to the newest proxy."],
+        ["status", None, ControlOptions, "Show proxies and pods."],
+    ]
+
+    def opt_version(self) -> None:
+        print(f"ztunnel-agent (ztwisted {__version__})")
+        sys.exit(0)
+
+    def postOptions(self) -> None:
+        if self.subCommand is None:
+            raise usage.UsageError("name a command")
+
+
+def _serve(args: ServeOptions) -> int:
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stderr)], redirectStandardIO=False)
-    agent = ZdsAgent(reactor, args.socket, ack_timeout=args.ack_timeout, hello_timeout=args.hello_timeout,
-                     manual_snapshot=args.manual_snapshot)
-    control = args.control or os.environ.get(CONTROL_ENV) or DEFAULT_CONTROL
+    agent = ZdsAgent(reactor, args["socket"], ack_timeout=args["ack-timeout"], hello_timeout=args["hello-timeout"],
+                     manual_snapshot=bool(args["manual-snapshot"]))
+    control = args["control"] or os.environ.get(CONTROL_ENV) or DEFAULT_CONTROL
     try:
         agent.start()
     except OSError as exc:
@@ -658,18 +708,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(args: argparse.Namespace) -> int:
-    control = args.control or os.environ.get(CONTROL_ENV) or DEFAULT_CONTROL
-    body: dict[str, Any] = {}
-    if getattr(args, "uid", None):
-        body["uid"] = args.uid
-    if args.command == "add":
-        body.update(name=args.name, namespace=args.namespace, service_account=args.service_account,
-                    netns=args.netns)
+def _client(command: str, args: ControlOptions) -> int:
+    control = args["control"] or os.environ.get(CONTROL_ENV) or DEFAULT_CONTROL
     try:
-        status, reply = call_control(control, args.command, body, timeout=args.timeout)
+        status, reply = call_control(control, command, args.body(), timeout=args["timeout"])
     except (OSError, ValueError, http.client.HTTPException) as exc:
-        print(f"ztunnel-agent {args.command}: cannot reach the agent's control API at {control}: {exc}",
+        print(f"ztunnel-agent {command}: cannot reach the agent's control API at {control}: {exc}",
               file=sys.stderr)
         return 2
     print(json.dumps(reply, indent=2))
@@ -680,10 +724,15 @@ def _client(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    return _client(args)
+    options = AgentOptions()
+    try:
+        options.parseOptions(sys.argv[1:] if argv is None else argv)
+    except usage.UsageError as error:
+        print(f"{options}\nztunnel-agent: {error}", file=sys.stderr)
+        return 2
+    if options.subCommand == "serve":
+        return _serve(options.subOptions)
+    return _client(options.subCommand, options.subOptions)
 
 
 if __name__ == "__main__":

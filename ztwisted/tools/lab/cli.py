@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 import attr
+from twisted.python import usage
 
 from ztwisted.tools.lab.chart import render_svg
 from ztwisted.tools.lab.clients import Traffic
@@ -27,22 +27,20 @@ from ztwisted.tools.lab.runner import run_lab
 from ztwisted.tools.lab.scenario import DEFAULT_STRATEGIES, LabConfig, LabError, Timeline
 from ztwisted.tools.lab.teardown import TeardownUnavailable, remove_leftovers
 
-_UNSET = object()
+NEVER = "never"
 
 
-def _seconds_or_never(value: str) -> float | None:
-    if value == "never":
-        return None
-    return _seconds(value)
+def _seconds_or_never(value: str) -> float | str:
+    return NEVER if value == NEVER else _seconds(value)
 
 
 def _seconds(value: str) -> float:
     try:
         seconds = float(value.rstrip("s"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+        raise ValueError(f"{value!r} is not a number of seconds") from None
     if seconds < 0:
-        raise argparse.ArgumentTypeError(f"{value!r} is negative")
+        raise ValueError(f"{value!r} is negative")
     return seconds
 
 
@@ -51,89 +49,105 @@ def _positive(kind):
         try:
             number = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a {kind.__name__}") from None
+            raise ValueError(f"{value!r} is not a {kind.__name__}") from None
         if number <= 0:
-            raise argparse.ArgumentTypeError(f"{value!r} must be positive")
+            raise ValueError(f"{value!r} must be positive")
         return number
 
     return parse
 
 
-def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(
-        prog="ztunnel-lab",
-        description="Measure ztwisted's drain strategies on live traffic through one pod shutdown.",
-    )
-    commands = top.add_subparsers(dest="command", required=True)
-    default = Timeline()
-    run = commands.add_parser(
-        "run",
-        help="run the scenario once per strategy",
-        description="Run the scenario once per strategy, with fresh proxies each time; print a table, "
-        "and with --out write results.json, drain-lab.svg, table.txt and the proxies' logs.",
-    )
-    run.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                     help="comma-separated; combine ztwisted strategies with '+' (default: %(default)s)")
-    run.add_argument("--mode", choices=("loopback", "netns"), default="loopback",
-                     help="loopback: pods on 127.x addresses (default); netns: pods in network namespaces (root)")
-    run.add_argument("--seed", type=int, default=1, help="seeds the apps' request schedules and payloads (default: 1)")
-    run.add_argument("--duration", type=_positive(float), default=None,
-                     help=f"seconds of traffic per strategy; the default timeline ({default.nominal:g} s) is scaled to it")
-    run.add_argument("--warmup", type=_seconds, help=f"seconds before B1 starts terminating (default {default.warmup:g})")
-    run.add_argument("--unready-after", type=_seconds_or_never, default=_UNSET,
-                     help="seconds after 'terminating' when node A's discovery stops using B1 as an endpoint, or "
-                     f"'never' (B1 stays one until removed) (default {default.unready_after:g})")
-    run.add_argument("--grace", type=_seconds, help=f"seconds from 'terminating' to B1's app exit (default {default.grace:g})")
-    run.add_argument("--observe", type=_seconds, help=f"seconds of traffic after B1 is removed (default {default.observe:g})")
-    run.add_argument("--out", type=Path, help="directory for results.json, drain-lab.svg, table.txt and logs")
-    run.add_argument("--net", type=int, default=91, help="use addresses 127.NET.0.0/16 (default: 91)")
-    run.add_argument("--keepalive-interval", type=_positive(float), default=2.0, help="proxies' HBONE keepalive interval (default: 2)")
-    run.add_argument("--keepalive-timeout", type=_positive(float), default=3.0, help="proxies' HBONE keepalive timeout (default: 3)")
-    run.add_argument("--pod-drain-timeout", type=_positive(float), default=3.0, help="proxies' --pod-drain-timeout (default: 3)")
-    traffic = Traffic()
-    run.add_argument("--pool-connections", type=_positive(int), default=traffic.pool_connections,
-                     help="keep-alive connections of the pooling app (default: %(default)s)")
-    run.add_argument("--pool-rate", type=_positive(float), default=traffic.pool_rate,
-                     help="requests/s per pooled connection (default: %(default)s)")
-    run.add_argument("--request-rate", type=_positive(float), default=traffic.request_rate,
-                     help="requests/s of the per-request app (default: %(default)s)")
-    run.add_argument("--no-teardown", action="store_true", help="do not approximate the network teardown")
-    run.add_argument("--records", action="store_true", help="put every request's record in results.json")
-    run.add_argument("--quiet", action="store_true", help="no progress display")
-
-    cleanup = commands.add_parser(
-        "cleanup", help="remove what a killed run left: blackhole routes in 127.NET.0.0/16, ztwNET-* namespaces"
-    )
-    cleanup.add_argument("--net", type=int, default=91)
-    return top
+DEFAULT_TIMELINE = Timeline()
+DEFAULT_TRAFFIC = Traffic()
 
 
-def timeline_from(args) -> Timeline:
-    timeline = Timeline() if args.duration is None else Timeline().scaled(args.duration)
-    overrides = {name: getattr(args, name) for name in ("warmup", "grace", "observe") if getattr(args, name) is not None}
-    if args.unready_after is not _UNSET:
-        overrides["unready_after"] = args.unready_after
+class RunOptions(usage.Options):
+    """``ztunnel-lab run``."""
+
+    longdesc = (
+        "Run the scenario once per strategy, with fresh proxies each time; print a table, "
+        "and with --out write results.json, drain-lab.svg, table.txt and the proxies' logs."
+    )
+    optParameters = [
+        ["strategies", None, ",".join(DEFAULT_STRATEGIES), "Comma-separated; combine ztwisted strategies with '+'."],
+        ["mode", None, "loopback", "loopback: pods on 127.x addresses; netns: pods in network namespaces (root)."],
+        ["seed", None, 1, "Seeds the apps' request schedules and payloads.", int],
+        ["duration", None, None, f"Seconds of traffic per strategy; the default timeline "
+         f"({DEFAULT_TIMELINE.nominal:g} s) is scaled to it.", _positive(float)],
+        ["warmup", None, None, f"Seconds before B1 starts terminating (default {DEFAULT_TIMELINE.warmup:g}).", _seconds],
+        ["unready-after", None, None, "Seconds after 'terminating' when node A's discovery stops using B1 as an "
+         f"endpoint, or 'never' (default {DEFAULT_TIMELINE.unready_after:g}).", _seconds_or_never],
+        ["grace", None, None, f"Seconds from 'terminating' to B1's app exit (default {DEFAULT_TIMELINE.grace:g}).", _seconds],
+        ["observe", None, None, f"Seconds of traffic after B1 is removed (default {DEFAULT_TIMELINE.observe:g}).", _seconds],
+        ["out", None, None, "Directory for results.json, drain-lab.svg, table.txt and logs.", Path],
+        ["net", None, 91, "Use addresses 127.NET.0.0/16.", int],
+        ["keepalive-interval", None, 2.0, "Proxies' HBONE keepalive interval.", _positive(float)],
+        ["keepalive-timeout", None, 3.0, "Proxies' HBONE keepalive timeout.", _positive(float)],
+        ["pod-drain-timeout", None, 3.0, "Proxies' --pod-drain-timeout.", _positive(float)],
+        ["pool-connections", None, DEFAULT_TRAFFIC.pool_connections, "Keep-alive connections of the pooling app.",
+         _positive(int)],
+        ["pool-rate", None, DEFAULT_TRAFFIC.pool_rate, "Requests/s per pooled connection.", _positive(float)],
+        ["request-rate", None, DEFAULT_TRAFFIC.request_rate, "Requests/s of the per-request app.", _positive(float)],
+    ]
+    optFlags = [
+        ["no-teardown", None, "Do not approximate the network teardown."],
+        ["records", None, "Put every request's record in results.json."],
+        ["quiet", None, "No progress display."],
+    ]
+
+    def postOptions(self) -> None:
+        if self["mode"] not in ("loopback", "netns"):
+            raise usage.UsageError(f"--mode must be loopback or netns, not {self['mode']!r}")
+
+
+class CleanupOptions(usage.Options):
+    """``ztunnel-lab cleanup``."""
+
+    longdesc = "Remove what a killed run left: blackhole routes in 127.NET.0.0/16, ztwNET-* namespaces."
+    optParameters = [["net", None, 91, "The run's --net.", int]]
+
+
+class LabOptions(usage.Options):
+    """``ztunnel-lab``: the subcommands, in twistd's option conventions."""
+
+    synopsis = "ztunnel-lab"
+    longdesc = "Measure ztwisted's drain strategies on live traffic through one pod shutdown."
+    subCommands = [
+        ["run", None, RunOptions, "Run the scenario once per strategy."],
+        ["cleanup", None, CleanupOptions, "Remove what a killed run left behind."],
+    ]
+
+    def postOptions(self) -> None:
+        if self.subCommand is None:
+            raise usage.UsageError("name a command")
+
+
+def timeline_from(options: RunOptions) -> Timeline:
+    timeline = Timeline() if options["duration"] is None else Timeline().scaled(options["duration"])
+    overrides = {name: options[name] for name in ("warmup", "grace", "observe") if options[name] is not None}
+    if options["unready-after"] is not None:
+        overrides["unready_after"] = None if options["unready-after"] == NEVER else options["unready-after"]
     return attr.evolve(timeline, **overrides)
 
 
-def config_from(args) -> LabConfig:
+def config_from(options: RunOptions) -> LabConfig:
     try:
-        Addresses(args.net)
+        Addresses(options["net"])
     except ValueError as e:
         raise LabError(str(e)) from None
-    work = args.out / "work" if args.out is not None else None
+    work = options["out"] / "work" if options["out"] is not None else None
     return LabConfig(
-        strategies=[name.strip() for name in args.strategies.split(",") if name.strip()],
-        mode=args.mode,
-        seed=args.seed,
-        timeline=timeline_from(args),
-        traffic=attr.evolve(Traffic(), pool_connections=args.pool_connections, pool_rate=args.pool_rate,
-                            request_rate=args.request_rate),
-        keepalive_interval=args.keepalive_interval,
-        keepalive_timeout=args.keepalive_timeout,
-        pod_drain_timeout=args.pod_drain_timeout,
-        net=args.net,
-        teardown=not args.no_teardown,
+        strategies=[name.strip() for name in options["strategies"].split(",") if name.strip()],
+        mode=options["mode"],
+        seed=options["seed"],
+        timeline=timeline_from(options),
+        traffic=attr.evolve(Traffic(), pool_connections=options["pool-connections"], pool_rate=options["pool-rate"],
+                            request_rate=options["request-rate"]),
+        keepalive_interval=options["keepalive-interval"],
+        keepalive_timeout=options["keepalive-timeout"],
+        pod_drain_timeout=options["pod-drain-timeout"],
+        net=options["net"],
+        teardown=not options["no-teardown"],
         workdir=work,
     )
 
@@ -144,25 +158,38 @@ def _terminate(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser().parse_args(argv)
-    if args.command == "cleanup":
-        try:
-            removed = remove_leftovers(Addresses(args.net).network)
-        except (TeardownUnavailable, ValueError) as e:
-            print(f"ztunnel-lab: {e}", file=sys.stderr)
-            return 2
-        print("removed blackhole routes: " + (", ".join(removed) or "none"))
-        namespaces = leftover_namespaces(args.net)
-        for name in namespaces:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        print("removed network namespaces: " + (", ".join(namespaces) or "none"))
-        return 0
+    options = LabOptions()
+    try:
+        options.parseOptions(argv)
+    except usage.UsageError as error:
+        print(f"{options}\nztunnel-lab: {error}", file=sys.stderr)
+        return 2
+    if options.subCommand == "cleanup":
+        return _cleanup(options.subOptions["net"])
+    return _run(options.subOptions, argv)
+
+
+def _cleanup(net: int) -> int:
+    try:
+        removed = remove_leftovers(Addresses(net).network)
+    except (TeardownUnavailable, ValueError) as e:
+        print(f"ztunnel-lab: {e}", file=sys.stderr)
+        return 2
+    print("removed blackhole routes: " + (", ".join(removed) or "none"))
+    namespaces = leftover_namespaces(net)
+    for name in namespaces:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    print("removed network namespaces: " + (", ".join(namespaces) or "none"))
+    return 0
+
+
+def _run(options: RunOptions, argv: list[str]) -> int:
     # SIGTERM unwinds like Ctrl-C, so proxies stop and blackhole routes go away.
     signal.signal(signal.SIGTERM, _terminate)
-    progress = None if args.quiet else ProgressLine()
+    progress = None if options["quiet"] else ProgressLine()
     try:
-        config = config_from(args)
-        results = run_lab(config, progress, command="ztunnel-lab " + shlex.join(argv), keep_records=args.records)
+        config = config_from(options)
+        results = run_lab(config, progress, command="ztunnel-lab " + shlex.join(argv), keep_records=options["records"])
     except LabError as e:
         if progress is not None:
             progress.done()
@@ -177,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         progress.done()
     table = format_table(results)
     print(table)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(results, args.out / "results.json")
-        (args.out / "drain-lab.svg").write_text(render_svg(results))
-        (args.out / "table.txt").write_text(table + "\n")
-        print(f"\nwrote {args.out / 'results.json'}, {args.out / 'drain-lab.svg'}, {args.out / 'table.txt'}")
+    out = options["out"]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(results, out / "results.json")
+        (out / "drain-lab.svg").write_text(render_svg(results))
+        (out / "table.txt").write_text(table + "\n")
+        print(f"\nwrote {out / 'results.json'}, {out / 'drain-lab.svg'}, {out / 'table.txt'}")
     return 0
 
 

@@ -28,10 +28,13 @@ import socket
 import sys
 from collections import deque
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 from twisted.internet import defer
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.protocol import Factory
+from twisted.internet.testing import MemoryReactor
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
@@ -503,48 +506,27 @@ def control_resource(agent: ZdsAgent) -> Resource:
 # -- the command line -----------------------------------------------------------------
 
 
-def _split_endpoint(text: str) -> list[str]:
-    """Split on the colons of a Twisted endpoint string, honouring backslash escapes (``\\:``)."""
-    parts, current, chars = [], "", iter(text)
-    for char in chars:
-        if char == "\\":
-            current += next(chars, "")
-        elif char == ":":
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    parts.append(current)
-    return parts
-
-
 def _control_address(description: str) -> tuple[str, str, int]:
-    """("tcp", host, port) or ("unix", path, 0) from an endpoint string or http URL."""
+    """("tcp", host, port) or ("unix", path, 0): where a client reaches the control API that
+    ``serve --control DESCRIPTION`` listens on (an endpoint string, or an http URL).
+
+    The endpoint string is read by Twisted's own parser: the endpoint it makes listens on a
+    MemoryReactor, which records what a real reactor would have been asked for.
+    """
     if description.startswith("http://"):
-        hostport = description[len("http://"):].rstrip("/")
-        host, _, port = hostport.rpartition(":")
-        return "tcp", host.strip("[]") or "127.0.0.1", int(port)
-    kind, _, rest = description.partition(":")
-    parts = _split_endpoint(rest)
-    if kind == "unix":
-        path = parts[0]
-        return "unix", path[len("path="):] if path.startswith("path=") else path, 0
-    if kind == "tcp":
-        options = {"interface": "127.0.0.1"}
-        port = None
-        for part in parts:
-            key, eq, value = part.partition("=")
-            if not eq:
-                port = key
-            else:
-                options[key] = value
-        port = options.get("port", port)
-        if port is None:
-            raise ValueError(f"no port in control address {description!r}")
-        host = options.get("host", options["interface"])
-        if host in ("", "0.0.0.0", "::"):
-            host = "127.0.0.1"
-        return "tcp", host, int(port)
+        url = urlsplit(description)
+        return "tcp", url.hostname or "127.0.0.1", url.port or 80
+    recorder = MemoryReactor()
+    try:
+        serverFromString(recorder, description).listen(Factory())
+    except Exception as exc:  # noqa: BLE001 - any parse error is the same usage mistake
+        raise ValueError(f"control address {description!r}: expected tcp:PORT[:interface=IP], unix:PATH "
+                         f"or http://HOST:PORT ({exc})") from None
+    if recorder.tcpServers:
+        port, _, _, interface = recorder.tcpServers[0]
+        return "tcp", interface if interface not in ("", "0.0.0.0", "::") else "127.0.0.1", port
+    if recorder.unixServers:
+        return "unix", recorder.unixServers[0][0], 0
     raise ValueError(f"control address {description!r}: expected tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT")
 
 

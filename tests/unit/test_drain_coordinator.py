@@ -557,11 +557,11 @@ def certificate_authority(tmp_path_factory):
 class RealNode:
     """A real Node, its view and its drain controller, on a memory reactor."""
 
-    def __init__(self, certificate_authority, strategies, *, drain_timeout=5.0, pod_drain_timeout=3.0):
+    def __init__(self, certificate_authority, strategies, *, drain_timeout=5.0, pod_drain_timeout=3.0, pods=(POD,)):
         self.reactor = MemoryReactorClock()
-        workloads = LocalWorkloads(Mesh([POD], [], []), "n", HostNetwork(self.reactor))
-        certificates = CertificateStore(certificate_authority, self.reactor)
-        self.node = Node(ProxyContext(self.reactor, Metrics(), certificates, workloads))
+        workloads = LocalWorkloads(Mesh(list(pods), [], []), "n", HostNetwork(self.reactor))
+        self.certificates = CertificateStore(certificate_authority, self.reactor)
+        self.node = Node(ProxyContext(self.reactor, Metrics(), self.certificates, workloads))
         deadline = DrainDeadline(self.reactor, drain_timeout, pod_drain_timeout)
         self.drain = DrainController(NodeView(self.node), strategies, Metrics(), deadline, Readiness())
 
@@ -585,6 +585,36 @@ def test_the_node_closes_what_a_strategy_leaves_after_pod_removed(certificate_au
     connection.end("abrupt")
     assert removed.called
     assert POD.uid not in node.listeners
+
+
+def test_a_connection_the_strategy_ended_is_not_drained_again_after_pod_removed(certificate_authority):
+    node, reactor = real_node(certificate_authority, [Immediate()])
+    (connection,) = connections = [FakeConnection(reactor)]
+    node.listeners[POD.uid] = FakeListeners(POD, connections)
+    removed = node.drain.pod_removed(POD)
+    assert not removed.called  # immediate waits until its aborted connections are gone
+    connection.end("abrupt")
+    assert removed.called
+    assert connection.drains == [DrainCall(0, False, None)]
+
+
+def test_a_removed_pods_certificate_stops_renewing_and_leaves_the_store(certificate_authority):
+    node, reactor = real_node(certificate_authority, [GoawayOnStart()])
+    node.certificates.get(POD.identity)
+    renewals = len(reactor.getDelayedCalls())
+    node.drain.pod_removed(POD)
+    assert [c.identity for c in node.certificates.all()] == []
+    assert len(reactor.getDelayedCalls()) == renewals - 1
+
+
+def test_a_certificate_another_local_workload_shares_stays(certificate_authority):
+    node, reactor = real_node(certificate_authority, [GoawayOnStart()], pods=(POD, OTHER_POD))
+    assert POD.identity == OTHER_POD.identity
+    node.certificates.get(POD.identity)
+    node.drain.pod_removed(POD)
+    assert [c.identity for c in node.certificates.all()] == [POD.identity]
+    node.drain.pod_removed(OTHER_POD)
+    assert node.certificates.all() == []
 
 
 def test_the_node_drains_everything_with_the_time_left_after_proxy_stopping(certificate_authority):

@@ -10,6 +10,7 @@ can exclude the proxy's own traffic.
 
 from __future__ import annotations
 
+import attrs
 from twisted.internet import defer
 
 from ztwisted.endpoints import ReusePortEndpoint
@@ -17,14 +18,14 @@ from ztwisted.netns import Netns, connecting_socket_in, run_in_netns
 from ztwisted.sockets import allow_accept_queue_migration, client_socket, connect_socket
 
 
+@attrs.define
 class HostNetwork:
     """Sockets in the proxy's own network namespace."""
 
-    name = "host"
-
-    def __init__(self, reactor, mark: int | None = None):
-        self.reactor = reactor
-        self.mark = mark
+    reactor: object
+    #: SO_MARK on every socket, so a pod's redirect rules can let the proxy's own traffic pass
+    mark: int | None = None
+    name: str = "host"
 
     def listen(self, ip: str, port: int, factory) -> defer.Deferred:
         return ReusePortEndpoint(self.reactor, port, ip, mark=self.mark).listen(factory)
@@ -38,13 +39,13 @@ class HostNetwork:
         return connect_socket(self.reactor, sock, (ip, port), factory, timeout=timeout)
 
 
+@attrs.define
 class PodNetwork:
     """Sockets inside a pod's network namespace (created on a short-lived thread, adopted by the reactor)."""
 
-    def __init__(self, reactor, netns: Netns, mark: int | None = None):
-        self.reactor = reactor
-        self.netns = netns
-        self.mark = mark
+    reactor: object
+    netns: Netns
+    mark: int | None = None
 
     @property
     def name(self) -> str:

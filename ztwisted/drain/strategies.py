@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 from twisted.internet import defer
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -84,14 +85,14 @@ class LastMile(DrainStrategy):
         )
 
 
+@attrs.define
 class ExponentialBackoff:
     """Per-key connect backoff: ``base * 2^(n-1)`` after the n-th consecutive failure, capped, plus jitter."""
 
-    def __init__(self, base: float = 0.025, cap: float = 1.0, jitter: float = 0.5, rng: random.Random | None = None):
-        self.base = base
-        self.cap = cap
-        self.jitter = jitter
-        self.rng = rng or random.Random()
+    base: float = 0.025
+    cap: float = 1.0
+    jitter: float = 0.5
+    rng: random.Random = attrs.field(factory=random.Random, converter=lambda rng: rng or random.Random())
 
     def delay(self, failures: int) -> float:
         if failures <= 0:

@@ -46,6 +46,7 @@ class RawClient:
         self.sock = context.wrap_socket(raw)
         assert self.sock.selected_alpn_protocol() == "h2"
         self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()  # one per connection: HPACK state spans its header blocks
         self.next_stream_id = 1
         self._buffer = b""
         settings = SettingsFrame(0)

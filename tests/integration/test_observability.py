@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import CLIENT_IP, ECHO_VIP, SERVER_IP, SINK_IP
+from tests.integration.conftest import CLIENT_IP, ECHO_VIP, SERVER_IP, SINK_IP, TwoNodes
 from tests.support import ReplyAfterEofServer, echo_through, wait_until
 from ztwisted.harness import socks5_connect
 
@@ -245,6 +245,28 @@ def test_inbound_access_log_keeps_the_forwarded_client_apart(two_nodes):
     assert event["src.forwarded"] == f"{CLIENT_IP}:{port}"
     host, _, peer_port = event["src.addr"].rpartition(":")
     assert peer_port.isdigit() and int(peer_port) != port and host.startswith("127.")
+
+
+def test_text_log_format_gives_access_lines_the_json_fields(tmp_path, echo_app):
+    nodes = TwoNodes(tmp_path)
+    nodes.b.extra_args = ("--log-format", "text")
+    nodes.start()
+    try:
+        port = echo(nodes, 10_000)
+        (line,) = wait_until(
+            lambda: [line for line in nodes.b.log_path.read_text().splitlines() if "[access#" in line],
+            what="node-b's access-log line",
+        )
+    finally:
+        nodes.stop()
+    assert "[access#info] connection complete src.addr=" in line, line
+    fields = dict(field.split("=", 1) for field in line.split(" connection complete ", 1)[1].split(" "))
+    assert fields["src.forwarded"] == f"{CLIENT_IP}:{port}"
+    assert fields["src.identity"] == CLIENT_ID and fields["dst.identity"] == ECHO_ID
+    assert fields["dst.addr"] == f"{SERVER_IP}:8080" and fields["dst.workload"] == "echo"
+    assert fields["dst.service"] == ECHO_HOST and fields["direction"] == "inbound"
+    assert (fields["bytes_sent"], fields["bytes_recv"]) == ("10000", "10000")
+    assert re.fullmatch(r"\d+ms", fields["duration"]) and fields["outcome"] == "closed"
 
 
 def test_json_log_lines_all_parse(two_nodes):

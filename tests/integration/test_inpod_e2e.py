@@ -442,3 +442,20 @@ def test_plaintext_inbound_is_refused_by_policy(network, mesh, nodes, echo_b, po
     assert denied["error"] in ("denied by policy default/outside-deny", "no allow policy matched"), denied
     assert node2.proxy.metric("istio_tcp_connections_closed_total", reporter="destination",
                               connection_security_policy="unknown", response_flags="DENY") == 1
+
+
+@pytest.mark.parametrize("netns_prefix", ["ztw17-"])
+def test_plaintext_inbound_to_the_proxys_own_port_is_refused(network, nodes, echo_b):
+    """Traffic captured to 15006 whose original destination is the proxy's own 15008: a self-call."""
+    pod_b = network.pods["b"]
+    outside = network.add_pod("out", OUTSIDE_IP, "uid-outside", "outside")
+    node2 = nodes(2)
+    serve_pod(node2, pod_b, check_not_ready=False)
+    pod_b.redirect_inbound(app_port=15008)
+
+    report = roundtrip(outside, POD_B_IP, 15008, 1_000)
+    assert report["received"] == 0, report
+    (refused,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
+                            what="node 2's access log of the self-call")
+    assert refused["dst.addr"] == f"{POD_B_IP}:15008" and refused["outcome"] == "refused", refused
+    assert refused["error"] == "self-call: port 15008 is the proxy's own", refused

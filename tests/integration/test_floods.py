@@ -41,6 +41,13 @@ ONE_CLAIMED_FRAME = 16 * MiB
 LIMIT_METRIC = "ztwisted_hbone_limit_hits_total"
 
 
+def assert_told_to_calm_down_and_closed(client: RawClient) -> None:
+    """The node's GOAWAY reached the client with ENHANCE_YOUR_CALM, and the connection then ended."""
+    goaway = client.read_goaway(20)
+    assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
+    assert client.wait_closed(20) != "still open"
+
+
 def limit_hits(node, kind: str) -> float:
     return node.metric(LIMIT_METRIC, direction="inbound", kind=kind)
 
@@ -114,9 +121,7 @@ def test_rapid_reset_is_cut_off(warm, tmp_path):
                 client.sock.sendall(b"".join(batch))
         except (ssl.SSLError, OSError):
             pass
-        goaway = client.read_goaway(20)
-        assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
-        assert client.wait_closed(20) != "still open"
+        assert_told_to_calm_down_and_closed(client)
     finally:
         client.close()
     assert wait_for_limit_hit(nodes.b, "rapid-reset", hits_before) > hits_before
@@ -158,9 +163,7 @@ def test_oversized_headers_are_cut_off(warm, tmp_path):
         _, frames = client.headers_frames(block_headers, huffman=False)
         assert len(frames) > 64 * 1024
         send_ignoring_close(client, frames)
-        goaway = client.read_goaway(20)
-        assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
-        assert client.wait_closed(20) != "still open"
+        assert_told_to_calm_down_and_closed(client)
     finally:
         client.close()
     assert wait_for_limit_hit(nodes.b, "header-list-size", hits_before) > hits_before
@@ -184,64 +187,59 @@ def test_settings_flood_is_cut_off_before_the_transport_pauses(warm, tmp_path):
         # 20000 SETTINGS frames at once: their 180 KB of ACKs fit in the socket buffers,
         # so the node's transport never pauses and only a rate can see the flood.
         send_ignoring_close(client, SettingsFrame(0).serialize() * 20_000)
-        goaway = client.read_goaway(20)
-        assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
-        assert client.wait_closed(20) != "still open"
+        assert_told_to_calm_down_and_closed(client)
     finally:
         client.close()
     assert wait_for_limit_hit(nodes.b, "control-frame", hits_before) > hits_before
     assert_still_serving(nodes)
 
 
-def test_frames_over_the_maximum_frame_size_are_refused_before_they_are_buffered(warm, tmp_path):
-    """DATA frames that claim 16 MiB (the advertised maximum is 1 MiB), their bodies sent all but
-    the last byte: a node that waited for whole frames would hold 16 MiB per connection."""
-    nodes = warm
+def assert_refused_unbuffered(nodes, tmp_path, kind: str, error_code: int, connections: int, oversized) -> None:
+    """``connections`` clients each send ``oversized(client)``: each gets GOAWAY ``error_code``,
+    node-b counts ``kind`` once per client and grows by less than one claimed frame."""
     rss_before = nodes.b.rss_bytes()
-    hits_before = limit_hits(nodes.b, "frame-size")
+    hits_before = limit_hits(nodes.b, kind)
     context = client_context(nodes, tmp_path)
-    clients = [RawClient(context) for _ in range(4)]
+    clients = [RawClient(context) for _ in range(connections)]
     try:
         for client in clients:
-            stream_id, headers = client.connect_request()
-            claim = DataFrame(stream_id)
-            claim.data = b"x" * (16 * MiB - 1)
-            send_ignoring_close(client, headers + claim.serialize()[:-1])
+            send_ignoring_close(client, oversized(client))
         for client in clients:
             goaway = client.read_goaway(10)
-            assert goaway is not None and goaway.error_code == FRAME_SIZE_ERROR, goaway
+            assert goaway is not None and goaway.error_code == error_code, goaway
     finally:
         for client in clients:
             client.close()
-    assert wait_for_limit_hit(nodes.b, "frame-size", hits_before + 3) == hits_before + 4
+    assert wait_for_limit_hit(nodes.b, kind, hits_before + connections - 1) == hits_before + connections
     assert nodes.b.rss_bytes() - rss_before < ONE_CLAIMED_FRAME
     assert_still_serving(nodes)
+
+
+def test_frames_over_the_maximum_frame_size_are_refused_before_they_are_buffered(warm, tmp_path):
+    """DATA frames that claim 16 MiB (the advertised maximum is 1 MiB), their bodies sent all but
+    the last byte: a node that waited for whole frames would hold 16 MiB per connection."""
+
+    def data_claiming_16_mib(client: RawClient) -> bytes:
+        stream_id, headers = client.connect_request()
+        claim = DataFrame(stream_id)
+        claim.data = b"x" * (16 * MiB - 1)
+        return headers + claim.serialize()[:-1]
+
+    assert_refused_unbuffered(warm, tmp_path, "frame-size", FRAME_SIZE_ERROR, 4, data_claiming_16_mib)
 
 
 def test_a_header_block_over_the_cap_is_refused_before_it_is_buffered(warm, tmp_path):
     """HEADERS and 40 CONTINUATION frames of 1 MiB (each within the maximum frame size), never
     ended: a node that waited for END_HEADERS would hold 40 MiB per connection."""
-    nodes = warm
-    rss_before = nodes.b.rss_bytes()
-    hits_before = limit_hits(nodes.b, "header-block-size")
-    context = client_context(nodes, tmp_path)
-    clients = [RawClient(context) for _ in range(2)]
-    try:
-        for client in clients:
-            headers = HeadersFrame(client.next_stream_id)  # no END_HEADERS: the block goes on
-            headers.data = client.encoder.encode([(":method", "CONNECT"), (":authority", f"{SERVER_IP}:8080")])
-            filler = ContinuationFrame(client.next_stream_id)
-            filler.data = b"\0" * MiB
-            send_ignoring_close(client, headers.serialize() + filler.serialize() * 40)
-        for client in clients:
-            goaway = client.read_goaway(10)
-            assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
-    finally:
-        for client in clients:
-            client.close()
-    assert wait_for_limit_hit(nodes.b, "header-block-size", hits_before + 1) == hits_before + 2
-    assert nodes.b.rss_bytes() - rss_before < ONE_CLAIMED_FRAME
-    assert_still_serving(nodes)
+
+    def endless_header_block(client: RawClient) -> bytes:
+        headers = HeadersFrame(client.next_stream_id)  # no END_HEADERS: the block goes on
+        headers.data = client.encoder.encode([(":method", "CONNECT"), (":authority", f"{SERVER_IP}:8080")])
+        filler = ContinuationFrame(client.next_stream_id)
+        filler.data = b"\0" * MiB
+        return headers.serialize() + filler.serialize() * 40
+
+    assert_refused_unbuffered(warm, tmp_path, "header-block-size", ENHANCE_YOUR_CALM, 2, endless_header_block)
 
 
 def test_the_raw_client_is_a_good_client_when_it_behaves(warm, tmp_path):

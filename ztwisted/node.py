@@ -116,6 +116,7 @@ class Node(service.MultiService):
         packet_mark: int | None = None,
         pod_outbound_port: int | None = 15001,
         random_seed: int | None = None,
+        certificates=None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -135,7 +136,10 @@ class Node(service.MultiService):
         self.host_network = HostNetwork(reactor, mark=packet_mark)
         self._pods: dict[str, object] = {}
         self._networks: dict[str, object] = {}
-        self.certificates = CertificateStore(certificate_authority, reactor)
+        # A remote CA's client (ztwisted.xds.certificates) when given; else issued here by the local CA.
+        self.certificates = certificates if certificates is not None else CertificateStore(certificate_authority, reactor)
+        #: called after each apply_mesh (e.g. to request certificates for new local workloads)
+        self.on_mesh_applied: list = []
         interval, timeout = keepalive
         self.server_h2_settings = H2Settings.server(keepalive_interval=interval, keepalive_timeout=timeout)
         self.client_h2_settings = H2Settings.client(keepalive_interval=interval, keepalive_timeout=timeout)
@@ -323,6 +327,8 @@ class Node(service.MultiService):
         self.mesh = mesh
         self._removed_uids &= {w.uid for w in mesh.workloads}
         self._local_workloads_changed()
+        for hook in self.on_mesh_applied:
+            hook()
         if not self.running:
             return
         if self.inpod:

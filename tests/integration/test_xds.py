@@ -1,0 +1,266 @@
+"""ztwisted nodes fed by the lab control plane over delta xDS, with certificates from its CA (real processes)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import (
+    CLIENT_IP,
+    ECHO_VIP,
+    NET,
+    NODE_A_CONTROL_IP,
+    NODE_B_CONTROL_IP,
+    SERVER_IP,
+    SINK_IP,
+)
+from tests.support import EchoServer, mesh_workload, mesh_workloads, pod_uid, wait_until
+from ztwisted.harness import NodeProcess, Socks5Refused, socks5_connect
+
+CONTROL_PLANE_IP = f"127.{NET}.0.50"
+XDS_ADDRESS = f"https://{CONTROL_PLANE_IP}:15012"
+API = f"http://{CONTROL_PLANE_IP}:15014"
+
+MESH = (
+    mesh_workloads(
+        mesh_workload("client", CLIENT_IP, "node-a", uid=pod_uid("client")),
+        mesh_workload("echo", SERVER_IP, "node-b", uid=pod_uid("echo"),
+                      services='{"default/echo.default.svc.cluster.local": {80: 8080}}'),
+        mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
+        + '  authorizationPolicies: ["default/sink-deny-client"]\n',
+    )
+    + f"""\
+services:
+- name: echo
+  namespace: default
+  hostname: echo.default.svc.cluster.local
+  vips: ["/{ECHO_VIP}"]
+  ports: {{80: 8080}}
+policies:
+- name: sink-deny-client
+  namespace: default
+  scope: WorkloadSelector
+  action: Deny
+  rules:
+  - - - principals: ["spiffe://cluster.local/ns/default/sa/client"]
+"""
+)
+
+
+class ControlPlane:
+    """One ``ztunnel-control-plane`` process."""
+
+    def __init__(self, workdir: Path, mesh: Path, *extra: str):
+        self.workdir = workdir
+        self.mesh = mesh
+        self.extra = extra
+        self.state_dir = workdir / "control-plane"
+        self.root_cert = self.state_dir / "root-cert.pem"
+        self.log_path = workdir / "control-plane.log"
+        self.process = None
+
+    def start(self) -> ControlPlane:
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ztwisted.tools.control_plane", "--mesh", str(self.mesh),
+             "--listen", f"{CONTROL_PLANE_IP}:15012", "--api", f"{CONTROL_PLANE_IP}:15014",
+             "--state-dir", str(self.state_dir), *self.extra],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        wait_until(lambda: self._answers(), timeout=20, what="the control plane's API")
+        return self
+
+    def _answers(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"control plane exited:\n{self.log_path.read_text()}")
+        try:
+            self.state()
+            return True
+        except OSError:
+            return False
+
+    def state(self) -> dict:
+        with urllib.request.urlopen(f"{API}/state", timeout=5) as response:
+            return json.loads(response.read())
+
+    def api(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(f"{API}{path}", data=data, method=method)
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.loads(response.read())
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+        self.process = None
+
+
+def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlPlane, *extra: str) -> NodeProcess:
+    return NodeProcess(
+        tmp_path / name, name=name, control_ip=control_ip, node=name,
+        extra_args=("--xds-address", XDS_ADDRESS, "--xds-root-ca", str(control_plane.root_cert),
+                    "--ca-root-ca", str(control_plane.root_cert), *extra),
+    )
+
+
+def ready(node: NodeProcess) -> bool:
+    return node.http("readiness", "/healthz/ready")[0] == 200
+
+
+@pytest.fixture
+def control_plane(tmp_path):
+    mesh = tmp_path / "mesh.yaml"
+    mesh.write_text(MESH)
+    plane = ControlPlane(tmp_path, mesh).start()
+    yield plane
+    plane.stop()
+
+
+@pytest.fixture
+def xds_nodes(tmp_path, control_plane):
+    echo = EchoServer(SERVER_IP, 8080)
+    b = xds_node(tmp_path, "node-b", NODE_B_CONTROL_IP, control_plane).start()
+    a = xds_node(tmp_path, "node-a", NODE_A_CONTROL_IP, control_plane)
+    try:
+        a.start()
+        wait_until(lambda: ready(a) and ready(b), timeout=20, what="both nodes ready")
+        yield a, b
+    finally:
+        for node in (a, b):
+            try:
+                node.stop()
+            except RuntimeError:
+                node.kill()
+        echo.close()
+
+
+def echo_once(node: NodeProcess, payload: bytes = b"hello through xDS") -> bytes:
+    with socks5_connect(node.socks5, CLIENT_IP, "echo.default.svc.cluster.local", 80) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def test_nodes_learn_the_mesh_over_xds_and_enforce_its_policy(tmp_path, control_plane, xds_nodes):
+    a, b = xds_nodes
+    dump = a.config_dump()
+    assert dump["config_source"] == XDS_ADDRESS
+    assert sorted(w["name"] for w in dump["workloads"]) == ["client", "echo", "sink"]
+    assert [w["name"] for w in dump["workloads"] if w["local"]] == ["client"]
+    assert [p["name"] for p in dump["policies"]] == ["sink-deny-client"]
+    assert dump["xds"]["connected"] and dump["xds"]["nacks"] == 0
+    # allowed: client -> echo service; denied: client -> sink (Deny policy pushed over xDS)
+    assert echo_once(a) == b"hello through xDS"
+    with pytest.raises(Socks5Refused):
+        socks5_connect(a.socks5, CLIENT_IP, SINK_IP, 8080)
+
+
+def test_certificates_come_from_csrs_and_no_ca_key_is_on_the_node(tmp_path, control_plane, xds_nodes):
+    a, b = xds_nodes
+    echo_once(a)
+    signed = {san for entry in control_plane.state()["signed"] for san in entry["sans"]}
+    assert signed == {
+        "spiffe://cluster.local/ns/default/sa/client",
+        "spiffe://cluster.local/ns/default/sa/echo",
+        "spiffe://cluster.local/ns/default/sa/sink",
+    }
+    identities = {c["identity"] for c in b.config_dump()["certificates"]}
+    assert identities == {"spiffe://cluster.local/ns/default/sa/echo", "spiffe://cluster.local/ns/default/sa/sink"}
+    for node in (a, b):
+        for path in node.state_dir.rglob("*") if node.state_dir.exists() else []:
+            if path.is_file():
+                assert b"PRIVATE KEY" not in path.read_bytes(), path
+
+
+def test_invalid_resource_is_nacked_and_the_last_good_state_serves(tmp_path, control_plane, xds_nodes):
+    a, b = xds_nodes
+    control_plane.api("POST", "/invalid")
+    wait_until(lambda: a.config_dump()["xds"]["nacks"] >= 1, timeout=10, what="a NACK")
+    nack = a.config_dump()["xds"]["last_nack"]
+    assert "lab/invalid-address" in nack and "5 bytes is not an IPv4 (4) or IPv6 (16) address" in nack
+    streams = control_plane.state()["streams"]
+    assert any("5 bytes" in n["error"] for s in streams for n in s["nacks"])
+    assert any("NACK" in e.get("message", "") and "lab/invalid-address" in e.get("message", "") for e in a.log_events())
+    assert echo_once(a) == b"hello through xDS"
+    assert ready(a)
+
+
+def test_control_plane_restart_loses_no_tunnel_and_the_node_resyncs(tmp_path, control_plane, xds_nodes):
+    a, b = xds_nodes
+    sock = socks5_connect(a.socks5, CLIENT_IP, "echo.default.svc.cluster.local", 80)
+    with sock:
+        sock.sendall(b"before")
+        assert sock.recv(100) == b"before"
+        control_plane.stop()
+        wait_until(lambda: not a.config_dump()["xds"]["connected"], timeout=10, what="the node to see the loss")
+        assert echo_once(a, b"while down") == b"while down"
+        # The mesh changes while the node is away: removing sink must reach it on resume.
+        mesh = control_plane.mesh
+        mesh.write_text(MESH.replace(mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
+                                     + '  authorizationPolicies: ["default/sink-deny-client"]\n', ""))
+        control_plane.start()
+        wait_until(lambda: a.config_dump()["xds"]["connected"], timeout=30, what="the node to reconnect")
+        wait_until(lambda: "sink" not in [w["name"] for w in a.config_dump()["workloads"]], timeout=10,
+                   what="the removal to reach the node")
+        sock.sendall(b"after")
+        assert sock.recv(100) == b"after"
+    assert a.config_dump()["xds"]["streams_opened"] >= 2
+
+
+def test_renewal_keeps_connections(tmp_path):
+    mesh = tmp_path / "mesh.yaml"
+    mesh.write_text(MESH)
+    plane = ControlPlane(tmp_path, mesh, "--cert-ttl", "6").start()
+    echo = EchoServer(SERVER_IP, 8080)
+    b = xds_node(tmp_path, "node-b", NODE_B_CONTROL_IP, plane).start()
+    a = xds_node(tmp_path, "node-a", NODE_A_CONTROL_IP, plane).start()
+    try:
+        wait_until(lambda: ready(a) and ready(b), timeout=20, what="both nodes ready")
+        sock = socks5_connect(a.socks5, CLIENT_IP, "echo.default.svc.cluster.local", 80)
+        with sock:
+            sock.sendall(b"one")
+            assert sock.recv(10) == b"one"
+            first = {c["identity"]: c["serial"] for c in a.config_dump()["certificates"]}
+            wait_until(lambda: {c["identity"]: c["serial"] for c in a.config_dump()["certificates"]} != first,
+                       timeout=15, what="a renewal")
+            sock.sendall(b"two")
+            assert sock.recv(10) == b"two"
+        assert echo_once(a) == b"hello through xDS"
+    finally:
+        for node in (a, b):
+            try:
+                node.stop()
+            except RuntimeError:
+                node.kill()
+        echo.close()
+        plane.stop()
+
+
+def test_ca_down_at_start_keeps_readiness_false(tmp_path):
+    config = tmp_path / "mesh.yaml"
+    config.write_text(MESH)
+    node = NodeProcess(tmp_path / "a", name="node-a", control_ip=NODE_A_CONTROL_IP, config=config, node="node-a",
+                       extra_args=("--ca-address", f"https://{CONTROL_PLANE_IP}:15012", "--ca-root-ca", "SYSTEM"))
+    node.start()
+    try:
+        wait_until(lambda: any("cannot get a certificate for spiffe://cluster.local/ns/default/sa/client"
+                               in e.get("message", "") for e in node.log_events()), timeout=15, what="the CA error log")
+        status, body = node.http("readiness", "/healthz/ready")
+        assert status != 200
+        assert b"certificate spiffe://cluster.local/ns/default/sa/client" in body
+        time.sleep(0.5)
+        assert not ready(node)
+    finally:
+        node.stop()

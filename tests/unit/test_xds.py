@@ -1,0 +1,126 @@
+"""xDS resources <-> model, the client's state machine, settings and the CA client's checks (no network)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from ztwisted.ca import create_files
+from ztwisted.config import builtin_example_path, load_config
+from ztwisted.identity import SpiffeId
+from ztwisted.xds import ca_pb2, discovery_pb2, workload_pb2
+from ztwisted.xds.certificates import certificate_from_response, make_csr
+from ztwisted.xds.client import NodeInfo, XdsState
+from ztwisted.xds.resources import ADDRESS_TYPE, AUTHORIZATION_TYPE, mesh_resources
+from ztwisted.xds.settings import parse_duration
+
+
+def response(type_url, resources, removed=(), nonce="1"):
+    message = discovery_pb2.DeltaDiscoveryResponse(type_url=type_url, nonce=nonce, removed_resources=list(removed))
+    for name, resource in resources.items():
+        added = message.resources.add(name=name, version=str(hash(resource.SerializeToString())))
+        added.resource.Pack(resource)
+    return message
+
+
+def test_the_example_mesh_survives_the_trip_through_xds_resources():
+    mesh = load_config(builtin_example_path())
+    state = XdsState()
+    for type_url, resources in mesh_resources(mesh).items():
+        _, rejected = state.apply(response(type_url, resources))
+        assert rejected == []
+    assert state.mesh().workloads == tuple(sorted(mesh.workloads, key=lambda w: w.uid))
+    assert set(state.mesh().services) == set(mesh.services)
+    assert set(state.mesh().policies) == set(mesh.policies)
+
+
+def test_an_invalid_resource_is_rejected_and_its_last_good_version_stays():
+    mesh = load_config(builtin_example_path())
+    addresses = mesh_resources(mesh)[ADDRESS_TYPE]
+    state = XdsState()
+    state.apply(response(ADDRESS_TYPE, addresses))
+    uid = mesh.workloads[0].uid
+    broken = workload_pb2.Address()
+    broken.CopyFrom(addresses[uid])
+    broken.workload.addresses[:] = [b"\x01\x02\x03"]
+    broken.workload.canonical_name = "changed"
+    other = mesh.workloads[1]
+    good = workload_pb2.Address()
+    good.CopyFrom(addresses[other.uid])
+    good.workload.canonical_name = "changed"
+    mesh_after, rejected = state.apply(response(ADDRESS_TYPE, {uid: broken, other.uid: good}, nonce="2"))
+    assert rejected == [f"workload {uid!r}: addresses[0]: 3 bytes is not an IPv4 (4) or IPv6 (16) address"]
+    assert mesh_after.workload_by_uid(uid) == mesh.workloads[0]
+    assert mesh_after.workload_by_uid(other.uid).canonical_name == "changed"
+
+
+def test_unsupported_features_and_conflicts_are_named():
+    state = XdsState()
+    waypoint = workload_pb2.Address(workload=workload_pb2.Workload(uid="c//v1/Pod/ns/a", name="a", namespace="ns"))
+    waypoint.workload.waypoint.hbone_mtls_port = 15008
+    _, rejected = state.apply(response(ADDRESS_TYPE, {"c//v1/Pod/ns/a": waypoint}))
+    assert rejected == ["workload 'c//v1/Pod/ns/a': waypoint is not supported by ztwisted"]
+    twins = {
+        f"c//v1/Pod/ns/{n}": workload_pb2.Address(workload=workload_pb2.Workload(
+            uid=f"c//v1/Pod/ns/{n}", name=n, namespace="ns", addresses=[bytes([10, 0, 0, 1])]))
+        for n in ("a", "b")
+    }
+    mesh, rejected = state.apply(response(ADDRESS_TYPE, twins))
+    assert mesh is None and "conflicts with the accepted state" in rejected[0] and "10.0.0.1" in rejected[0]
+    assert state.mesh().workloads == ()
+
+
+def test_removals_and_unknown_types():
+    mesh = load_config(builtin_example_path())
+    state = XdsState()
+    state.apply(response(AUTHORIZATION_TYPE, mesh_resources(mesh)[AUTHORIZATION_TYPE]))
+    key = mesh.policies[0].key
+    after, rejected = state.apply(response(AUTHORIZATION_TYPE, {}, removed=[key]))
+    assert rejected == [] and after.policy(key) is None and key not in state.versions[AUTHORIZATION_TYPE]
+    _, rejected = state.apply(response("type.googleapis.com/other.Thing", {}))
+    assert "not one ztwisted subscribed to" in rejected[0]
+
+
+def test_node_metadata_is_shaped_like_ztunnels():
+    node = NodeInfo(instance_ip="10.0.0.5", pod_name="zt-1", pod_namespace="istio-system", node_name="w1",
+                    metadata={"CLUSTER_ID": "c1"}).to_proto()
+    assert node.id == "ztunnel~10.0.0.5~zt-1.istio-system~istio-system.svc.cluster.local"
+    assert dict(node.metadata) == {"NAME": "zt-1", "NAMESPACE": "istio-system", "INSTANCE_IPS": "10.0.0.5",
+                                   "NODE_NAME": "w1", "CLUSTER_ID": "c1"}
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("24h", 86400), ("1h30m", 5400), ("500ms", 0.5), ("30", 30)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+def test_durations_reject_nonsense():
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration("soon")
+
+
+def pem(certificate) -> str:
+    return certificate.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def test_a_csr_names_only_the_identity_and_the_answer_is_checked(tmp_path):
+    ca = create_files(tmp_path / "ca")
+    identity = SpiffeId("cluster.local", "default", "client")
+    csr_pem, key_pem = make_csr(identity)
+    csr = x509.load_pem_x509_csr(csr_pem)
+    sans = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(n.value) for n in sans] == [str(identity)] and len(csr.subject) == 0
+    leaf = ca.sign_csr(csr, timedelta(hours=1))
+    answer = ca_pb2.IstioCertificateResponse(cert_chain=[pem(leaf)] + [pem(c) for c in ca.chain])
+    issued = certificate_from_response(identity, key_pem, answer)
+    assert str(issued.identity) == str(identity) and issued.roots() == [ca.roots[0]]
+    with pytest.raises(ValueError, match="not spiffe://cluster.local/ns/default/sa/other"):
+        certificate_from_response(SpiffeId("cluster.local", "default", "other"), key_pem, answer)
+    _, other_key = make_csr(identity)
+    with pytest.raises(ValueError, match="different public key"):
+        certificate_from_response(identity, other_key, answer)
+    with pytest.raises(ValueError, match="a leaf and at least the root"):
+        certificate_from_response(identity, key_pem, ca_pb2.IstioCertificateResponse(cert_chain=[pem(leaf)]))

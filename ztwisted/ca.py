@@ -618,6 +618,9 @@ class CertificateStore:
             serial=f"{issued.serial:x}",
             not_after=issued.not_after.isoformat(),
         )
+        self._notify_renewal(issued)
+
+    def _notify_renewal(self, issued: IssuedCertificate) -> None:
         for callback in list(self._subscribers):
             try:
                 callback(issued)

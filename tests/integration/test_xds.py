@@ -15,35 +15,23 @@ import pytest
 
 from tests.integration.conftest import (
     CLIENT_IP,
-    ECHO_VIP,
     NET,
     NODE_A_CONTROL_IP,
     NODE_B_CONTROL_IP,
     SERVER_IP,
     SINK_IP,
+    TWO_NODE_MESH,
 )
-from tests.support import EchoServer, mesh_workload, mesh_workloads, pod_uid, wait_until
+from tests.support import EchoServer, mesh_workload, pod_uid, wait_until
 from ztwisted.harness import NodeProcess, Socks5Refused, socks5_connect
 
 CONTROL_PLANE_IP = f"127.{NET}.0.50"
 XDS_ADDRESS = f"https://{CONTROL_PLANE_IP}:15012"
 API = f"http://{CONTROL_PLANE_IP}:15014"
 
-MESH = (
-    mesh_workloads(
-        mesh_workload("client", CLIENT_IP, "node-a", uid=pod_uid("client")),
-        mesh_workload("echo", SERVER_IP, "node-b", uid=pod_uid("echo"),
-                      services='{"default/echo.default.svc.cluster.local": {80: 8080}}'),
-        mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
-        + '  authorizationPolicies: ["default/sink-deny-client"]\n',
-    )
-    + f"""\
-services:
-- name: echo
-  namespace: default
-  hostname: echo.default.svc.cluster.local
-  vips: ["/{ECHO_VIP}"]
-  ports: {{80: 8080}}
+SINK_ENTRY = mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
+# The two-node mesh, where a Deny policy selects sink: client -> echo is allowed, client -> sink denied.
+MESH = TWO_NODE_MESH.replace(SINK_ENTRY, SINK_ENTRY + '  authorizationPolicies: ["default/sink-deny-client"]\n') + """\
 policies:
 - name: sink-deny-client
   namespace: default
@@ -52,7 +40,6 @@ policies:
   rules:
   - - - principals: ["spiffe://cluster.local/ns/default/sa/client"]
 """
-)
 
 
 class ControlPlane:
@@ -112,6 +99,14 @@ def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlP
     )
 
 
+def stop_all(*nodes: NodeProcess) -> None:
+    for node in nodes:
+        try:
+            node.stop()
+        except RuntimeError:
+            node.kill()
+
+
 def ready(node: NodeProcess) -> bool:
     return node.http("readiness", "/healthz/ready")[0] == 200
 
@@ -135,11 +130,7 @@ def xds_nodes(tmp_path, control_plane):
         wait_until(lambda: ready(a) and ready(b), timeout=20, what="both nodes ready")
         yield a, b
     finally:
-        for node in (a, b):
-            try:
-                node.stop()
-            except RuntimeError:
-                node.kill()
+        stop_all(a, b)
         echo.close()
 
 
@@ -208,8 +199,7 @@ def test_control_plane_restart_loses_no_tunnel_and_the_node_resyncs(tmp_path, co
         assert echo_once(a, b"while down") == b"while down"
         # The mesh changes while the node is away: removing sink must reach it on resume.
         mesh = control_plane.mesh
-        mesh.write_text(MESH.replace(mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
-                                     + '  authorizationPolicies: ["default/sink-deny-client"]\n', ""))
+        mesh.write_text(MESH.replace(SINK_ENTRY + '  authorizationPolicies: ["default/sink-deny-client"]\n', ""))
         control_plane.start()
         wait_until(lambda: a.config_dump()["xds"]["connected"], timeout=30, what="the node to reconnect")
         wait_until(lambda: "sink" not in [w["name"] for w in a.config_dump()["workloads"]], timeout=10,
@@ -239,11 +229,7 @@ def test_renewal_keeps_connections(tmp_path):
             assert sock.recv(10) == b"two"
         assert echo_once(a) == b"hello through xDS"
     finally:
-        for node in (a, b):
-            try:
-                node.stop()
-            except RuntimeError:
-                node.kill()
+        stop_all(a, b)
         echo.close()
         plane.stop()
 

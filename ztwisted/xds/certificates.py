@@ -17,7 +17,7 @@ identity has arrived, and readiness waits for them (:meth:`missing`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from twisted.internet import defer
 from twisted.logger import Logger
 
-from ztwisted.ca import IssuedCertificate
+from ztwisted.ca import CertificateStore, IssuedCertificate
 from ztwisted.identity import SpiffeId, uri_sans
 from ztwisted.xds import ca_pb2, grpc
 
@@ -89,8 +89,12 @@ def certificate_from_response(identity: SpiffeId, key_pem: bytes, response: ca_p
     )
 
 
-class RemoteCertificateStore:
-    """One certificate per identity, requested from the CA at ``target`` and renewed at half-life."""
+class RemoteCertificateStore(CertificateStore):
+    """One certificate per identity, requested from the CA at ``target`` and renewed at half-life.
+
+    What it shares with the local CA's store: the certificates kept, the
+    renewal timers, the subscribers; what differs: issuing is a request.
+    """
 
     def __init__(
         self,
@@ -101,19 +105,16 @@ class RemoteCertificateStore:
         secret_ttl: float = DEFAULT_SECRET_TTL,
         connect_timeout: float = 5.0,
     ):
+        super().__init__(None, reactor, timedelta(seconds=secret_ttl))
         self._reactor = reactor
         self.target = target
         self._headers = headers
         self.secret_ttl = secret_ttl
         self._connect_timeout = connect_timeout
-        self._certs: dict[SpiffeId, IssuedCertificate] = {}
         self._fetching: dict[SpiffeId, defer.Deferred] = {}
-        self._timers: dict[SpiffeId, object] = {}
         self._retry_delay: dict[SpiffeId, float] = {}
         self._errors: dict[SpiffeId, str] = {}
-        self._subscribers: list[Callable[[IssuedCertificate], object]] = []
         self._live: grpc.GrpcConnection | None = None
-        self._stopped = False
         self.requests = 0
 
     # -- the interface the data plane uses ----------------------------------------------
@@ -129,21 +130,8 @@ class RemoteCertificateStore:
         why = self._errors.get(identity, "the request is in flight")
         raise CertificateUnavailable(f"no certificate for {identity} from the CA at https://{self.target.authority} yet: {why}")
 
-    def all(self) -> list[IssuedCertificate]:
-        return sorted(self._certs.values(), key=lambda c: str(c.identity))
-
-    def subscribe(self, callback: Callable[[IssuedCertificate], object]) -> Callable[[], None]:
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
-
-    def discard(self, identity: SpiffeId) -> None:
-        self._certs.pop(identity, None)
-        self._cancel(identity)
-
     def stop(self) -> None:
-        self._stopped = True
-        for identity in list(self._timers):
-            self._cancel(identity)
+        super().stop()
         if self._live is not None:
             self._live.drain(graceful=False)
 
@@ -166,6 +154,9 @@ class RemoteCertificateStore:
         }
 
     # -- requesting -------------------------------------------------------------------------
+
+    def _renew(self, identity: SpiffeId) -> None:
+        self._fetch(identity)
 
     def _fetch(self, identity: SpiffeId) -> None:
         self._timers.pop(identity, None)
@@ -213,18 +204,14 @@ class RemoteCertificateStore:
         self._retry_delay.pop(identity, None)
         now = self._reactor.seconds()
         half_life = (issued.not_after.timestamp() - now) / 2
-        self._schedule(identity, max(half_life, 0.0))
+        self._schedule(identity, timedelta(seconds=max(half_life, 0.0)))
         log.info(
             "{what} the certificate of {identity} from the CA: serial {serial}, valid until {not_after}",
             what="Renewed" if renewal else "Got", identity=str(identity), serial=f"{issued.serial:x}",
             not_after=issued.not_after.isoformat(),
         )
         if renewal:
-            for callback in list(self._subscribers):
-                try:
-                    callback(issued)
-                except Exception:
-                    log.failure("Certificate renewal subscriber {callback!r} failed", callback=callback)
+            self._notify_renewal(issued)
 
     def _failed(self, identity: SpiffeId, failure) -> None:
         delay = self._retry_delay.get(identity, FIRST_RETRY / 2) * 2
@@ -235,14 +222,4 @@ class RemoteCertificateStore:
             "cannot get a certificate for {identity} from the CA at {address}: {error}; retrying in {delay:.0f} s",
             identity=str(identity), address=f"https://{self.target.authority}", error=error, delay=delay,
         )
-        self._schedule(identity, min(delay, MAX_RETRY))
-
-    def _schedule(self, identity: SpiffeId, delay: float) -> None:
-        self._cancel(identity)
-        if not self._stopped:
-            self._timers[identity] = self._reactor.callLater(delay, self._fetch, identity)
-
-    def _cancel(self, identity: SpiffeId) -> None:
-        timer = self._timers.pop(identity, None)
-        if timer is not None and timer.active():
-            timer.cancel()
+        self._schedule(identity, timedelta(seconds=min(delay, MAX_RETRY)))

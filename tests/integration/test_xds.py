@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,12 +17,12 @@ from tests.integration.conftest import (
     SINK_IP,
     TWO_NODE_MESH,
 )
+from tests.integration.xds_support import ControlPlane
 from tests.support import EchoServer, mesh_workload, pod_uid, wait_until
 from ztwisted.harness import NodeProcess, Socks5Refused, socks5_connect
 
 CONTROL_PLANE_IP = f"127.{NET}.0.50"
 XDS_ADDRESS = f"https://{CONTROL_PLANE_IP}:15012"
-API = f"http://{CONTROL_PLANE_IP}:15014"
 
 SINK_ENTRY = mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
 # The two-node mesh, where a Deny policy selects sink: client -> echo is allowed, client -> sink denied.
@@ -42,61 +37,16 @@ policies:
 """
 
 
-class ControlPlane:
-    """One ``ztunnel-control-plane`` process."""
-
-    def __init__(self, workdir: Path, mesh: Path, *extra: str):
-        self.workdir = workdir
-        self.mesh = mesh
-        self.extra = extra
-        self.state_dir = workdir / "control-plane"
-        self.root_cert = self.state_dir / "root-cert.pem"
-        self.log_path = workdir / "control-plane.log"
-        self.process = None
-
-    def start(self) -> ControlPlane:
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ztwisted.tools.control_plane", "--mesh", str(self.mesh),
-             "--listen", f"{CONTROL_PLANE_IP}:15012", "--api", f"{CONTROL_PLANE_IP}:15014",
-             "--state-dir", str(self.state_dir), *self.extra],
-            stdout=self._log, stderr=subprocess.STDOUT,
-        )
-        wait_until(lambda: self._answers(), timeout=20, what="the control plane's API")
-        return self
-
-    def _answers(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"control plane exited:\n{self.log_path.read_text()}")
-        try:
-            self.state()
-            return True
-        except OSError:
-            return False
-
-    def state(self) -> dict:
-        with urllib.request.urlopen(f"{API}/state", timeout=5) as response:
-            return json.loads(response.read())
-
-    def api(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(f"{API}{path}", data=data, method=method)
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return json.loads(response.read())
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-        self.process = None
-
-
 def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlPlane, *extra: str) -> NodeProcess:
     return NodeProcess(
         tmp_path / name, name=name, control_ip=control_ip, node=name,
         extra_args=("--xds-address", XDS_ADDRESS, "--xds-root-ca", str(control_plane.root_cert),
                     "--ca-root-ca", str(control_plane.root_cert), *extra),
     )
+
+
+def lab_control_plane(tmp_path: Path, mesh: Path, *extra: str) -> ControlPlane:
+    return ControlPlane(tmp_path, mesh, listen=f"{CONTROL_PLANE_IP}:15012", api=f"{CONTROL_PLANE_IP}:15014", extra=extra)
 
 
 def stop_all(*nodes: NodeProcess) -> None:
@@ -115,7 +65,7 @@ def ready(node: NodeProcess) -> bool:
 def control_plane(tmp_path):
     mesh = tmp_path / "mesh.yaml"
     mesh.write_text(MESH)
-    plane = ControlPlane(tmp_path, mesh).start()
+    plane = lab_control_plane(tmp_path, mesh).start()
     yield plane
     plane.stop()
 
@@ -177,7 +127,7 @@ def test_certificates_come_from_csrs_and_no_ca_key_is_on_the_node(tmp_path, cont
 
 def test_invalid_resource_is_nacked_and_the_last_good_state_serves(tmp_path, control_plane, xds_nodes):
     a, b = xds_nodes
-    control_plane.api("POST", "/invalid")
+    assert control_plane.api("POST", "/invalid")[0] == 200
     wait_until(lambda: a.config_dump()["xds"]["nacks"] >= 1, timeout=10, what="a NACK")
     nack = a.config_dump()["xds"]["last_nack"]
     assert "lab/invalid-address" in nack and "5 bytes is not an IPv4 (4) or IPv6 (16) address" in nack
@@ -212,7 +162,7 @@ def test_control_plane_restart_loses_no_tunnel_and_the_node_resyncs(tmp_path, co
 def test_renewal_keeps_connections(tmp_path):
     mesh = tmp_path / "mesh.yaml"
     mesh.write_text(MESH)
-    plane = ControlPlane(tmp_path, mesh, "--cert-ttl", "6").start()
+    plane = lab_control_plane(tmp_path, mesh, "--cert-ttl", "6").start()
     echo = EchoServer(SERVER_IP, 8080)
     b = xds_node(tmp_path, "node-b", NODE_B_CONTROL_IP, plane).start()
     a = xds_node(tmp_path, "node-a", NODE_A_CONTROL_IP, plane).start()

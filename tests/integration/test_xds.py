@@ -200,3 +200,26 @@ def test_ca_down_at_start_keeps_readiness_false(tmp_path):
         assert not ready(node)
     finally:
         node.stop()
+
+
+def test_a_wrong_token_is_refused_with_a_clear_error_and_the_right_one_accepted(tmp_path):
+    mesh = tmp_path / "mesh.yaml"
+    mesh.write_text(MESH)
+    plane = lab_control_plane(tmp_path, mesh, "--token", "lab-secret").start()
+    token_file = tmp_path / "istio-token"
+    token_file.write_text("lab-secret\n")
+    good = xds_node(tmp_path, "node-a", NODE_A_CONTROL_IP, plane, "--auth-token", str(token_file))
+    bad = xds_node(tmp_path, "node-b", NODE_B_CONTROL_IP, plane, "--auth-token", "not-the-secret")
+    try:
+        good.start()
+        bad.start()
+        wait_until(lambda: ready(good), timeout=20, what="the node with the right token ready")
+        wait_until(lambda: any("xDS stream" in e.get("message", "") and "bearer token is not the one" in e.get("message", "")
+                               for e in bad.log_events()), timeout=20, what="the refusal in the log")
+        assert not ready(bad)
+        assert "gRPC status 16" in bad.config_dump()["xds"]["last_error"]
+        streams = [s for s in plane.state()["streams"] if s["node"]]
+        assert streams and all(s["metadata"].get("clusterid") == "Kubernetes" for s in streams)
+    finally:
+        stop_all(good, bad)
+        plane.stop()

@@ -36,6 +36,8 @@ PREFIX = "ztw35x-"
 CP_IP, ZTPOD_IP = "10.251.0.2", "10.251.0.10"
 ECHO_IP, SINK_IP, CLIENT_IP, INTRUDER_IP = "10.251.0.20", "10.251.0.21", "10.251.0.22", "10.251.0.23"
 XDS = f"https://{CP_IP}:15012"
+#: the control plane requires it on xDS and CA calls; ztunnel sends AUTH_TOKEN as a bearer token
+TOKEN = "lab-service-account-token"
 
 
 def workload(name: str, ip: str, node: str, extra: str = "") -> str:
@@ -115,7 +117,7 @@ def lab(tmp_path):
     started = []
     try:
         plane = ControlPlane(tmp_path, mesh, listen=f"{CP_IP}:15012", api=f"{CP_IP}:15014",
-                             netns=network.pods["cp"].netns).start()
+                             netns=network.pods["cp"].netns, extra=("--token", TOKEN)).start()
         started.append(plane)
         apps = [start_echo(network.pods["zt"]), start_echo(tw), App(tw, "echo", SINK_IP, "8080")]
         assert apps[-1].read_event() == {"event": "listening"}
@@ -126,7 +128,7 @@ def lab(tmp_path):
             "XDS_ROOT_CA": str(plane.root_cert), "CA_ROOT_CA": str(plane.root_cert),
             "PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "default/ztpod/ztpod", "NODE_NAME": "node-z",
             "UNSTABLE_ENABLE_SOCKS5": "true", "POD_NAME": "ztunnel-z", "POD_NAMESPACE": "istio-system",
-            "RUST_LOG": "info",
+            "RUST_LOG": "info", "AUTH_TOKEN": TOKEN, "CLUSTER_ID": "lab-cluster",
             # In dedicated mode ztunnel would dial the app from the client's address (IP_TRANSPARENT), which
             # needs routing that sends the reply back through it; this lab has none.
             "ENABLE_ORIG_SRC": "false",
@@ -135,7 +137,8 @@ def lab(tmp_path):
                                    stdout=ztunnel_log, stderr=subprocess.STDOUT)
         node = NodeInNetns(tw.netns, tmp_path / "tw", name="node-t", control_ip="127.0.0.1", node="node-t",
                            extra_args=("--xds-address", XDS, "--xds-root-ca", str(plane.root_cert),
-                                       "--ca-root-ca", str(plane.root_cert)))
+                                       "--ca-root-ca", str(plane.root_cert), "--auth-token", TOKEN,
+                                       "--cluster-id", "lab-cluster"))
         node.start()
         started.append(node)
         zt_ns = network.pods["zt"].netns
@@ -188,6 +191,9 @@ def test_ztunnel_and_ztwisted_serve_the_same_mesh_from_the_lab_control_plane(lab
     nodes = {s["node"] for s in streams if s["open"]}
     assert "ztunnel~1.1.1.1~ztunnel-z.istio-system~istio-system.svc.cluster.local" in nodes
     assert all(not s["nacks"] for s in streams)
+    # both sent the token (the control plane refuses calls without it) and the cluster id beside it
+    assert {s["metadata"].get("clusterid") for s in streams if s["open"]} == {"lab-cluster"}
+    assert {e["clusterid"] for e in lab["plane"].state()["signed"]} == {"lab-cluster"}
 
 
 def test_traffic_both_ways_is_allowed_and_denied_by_policies_from_xds(lab):

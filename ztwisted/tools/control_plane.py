@@ -110,14 +110,28 @@ def _find_workload(document, name: str) -> dict:
     raise KeyError(f"no workload named {name!r}")
 
 
+def check_token(context, token: str | None) -> None:
+    """With --token, a call must carry ``authorization: Bearer <token>`` (as ztunnel sends its service account token)."""
+    import grpc
+
+    if token is None:
+        return
+    sent = dict(context.invocation_metadata()).get("authorization")
+    if sent != f"Bearer {token}":
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "no bearer token" if sent is None else "the bearer token is not the one this control plane expects")
+
+
 class AdsServicer:
     """DeltaAggregatedResources: wildcard subscriptions, full state then deltas, removals on resume."""
 
-    def __init__(self, store: MeshStore):
+    def __init__(self, store: MeshStore, token: str | None):
         self.store = store
+        self.token = token
         self._ids = iter(range(1, 1 << 62))
 
     def __call__(self, requests, context):
+        check_token(context, self.token)
         store = self.store
         stream_id = next(self._ids)
         events: queue.Queue = queue.Queue()
@@ -194,8 +208,7 @@ class CertificateServicer:
         import grpc
 
         metadata = dict(context.invocation_metadata())
-        if self.token is not None and metadata.get("authorization") != f"Bearer {self.token}":
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        check_token(context, self.token)
         try:
             csr = x509.load_pem_x509_csr(request.csr.encode())
         except ValueError as e:
@@ -335,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="more names for the serving certificate (the listen address is always in it)")
     parser.add_argument("--cert-ttl", type=float, default=None,
                         help="the longest workload certificate it signs, in seconds (short ones exercise renewal)")
-    parser.add_argument("--token", default=None, help="require this bearer token on CA calls")
+    parser.add_argument("--token", default=None, help="require this bearer token on xDS and CA calls "
+                        "(ztunnel sends AUTH_TOKEN's token as authorization: Bearer ...)")
     args = parser.parse_args(argv)
 
     import grpc
@@ -356,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     ads = grpc.stream_stream_rpc_method_handler(
-        AdsServicer(store),
+        AdsServicer(store, args.token),
         request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
         response_serializer=discovery_pb2.DeltaDiscoveryResponse.SerializeToString,
     )

@@ -223,3 +223,59 @@ def test_a_wrong_token_is_refused_with_a_clear_error_and_the_right_one_accepted(
     finally:
         stop_all(good, bad)
         plane.stop()
+
+
+def test_a_removal_over_xds_retires_pooled_connections_under_client_evict(tmp_path, control_plane):
+    """Seed option 3 reacting to a real WDS removal: node-a learns over xDS that echo is gone.
+
+    node-b keeps serving echo from a local config signed by the same CA (the control plane's plug-in
+    layout), so what is measured is node-a's reaction alone, on the wire as node-b sees it.
+    """
+    from tests.integration.drain_support import LongTunnel
+
+    echo = EchoServer(SERVER_IP, 8080)
+    b = NodeProcess(tmp_path / "node-b", name="node-b", control_ip=NODE_B_CONTROL_IP, config=control_plane.mesh,
+                    node="node-b", extra_args=("--ca-dir", str(control_plane.state_dir / "ca")))
+    a = xds_node(tmp_path, "node-a", NODE_A_CONTROL_IP, control_plane, "--drain-strategy", "client-evict")
+    try:
+        b.start()
+        a.start()
+        wait_until(lambda: ready(a) and ready(b), timeout=20, what="both nodes ready")
+        long_tunnel = LongTunnel(a.socks5, CLIENT_IP).start()
+        wait_until(lambda: long_tunnel.received > 0, what="the long tunnel to carry data")
+        (entry,) = a.config_dump()["pool"]
+        assert (entry["usable"], entry["streams"]) == (True, 1)
+
+        assert control_plane.api("DELETE", "/workloads/" + pod_uid("echo").replace("/", "%2F"))[0] == 200
+        wait_until(lambda: a.metric("ztwisted_drain_events_total", strategy="client-evict",
+                                    event="destination_removed") == 1, what="the removal to reach client-evict")
+        assert "echo" not in [w["name"] for w in a.config_dump()["workloads"]]
+        (entry,) = a.config_dump()["pool"]
+        assert (entry["usable"], entry["streams"]) == (False, 1), "retired: no new streams, the one in flight goes on"
+        assert b.metric("ztwisted_hbone_connections_closed_total", direction="inbound") == 0
+        assert long_tunnel.finish(), "the tunnel in flight finishes byte-exact"
+        wait_until(lambda: a.config_dump()["pool"] == [], what="the retired connection to leave the pool")
+        wait_until(lambda: b.metric("ztwisted_hbone_connections_closed_total", direction="inbound") == 1,
+                   what="node-b to see the connection end")
+        assert b.metric("ztwisted_hbone_connections_closed_total", direction="inbound", ended_by="peer") == 1
+    finally:
+        stop_all(a, b)
+        echo.close()
+
+
+def test_a_pod_marked_unhealthy_over_xds_leaves_its_service_until_healthy_again(tmp_path, control_plane, xds_nodes):
+    a, b = xds_nodes
+
+    def refused() -> bool:
+        try:
+            echo_once(a)
+        except Socks5Refused:
+            return True
+        return False
+
+    assert control_plane.api("POST", "/workloads/echo/unhealthy")[0] == 200
+    wait_until(refused, timeout=10, what="the service to have no healthy endpoint")
+    assert control_plane.api("POST", "/workloads/echo/healthy")[0] == 200
+    wait_until(lambda: not refused(), timeout=10, what="echo back in its service")
+    status, body = control_plane.api("POST", "/workloads/nobody/unhealthy")
+    assert status == 400 and "no workload named 'nobody'" in body["error"]

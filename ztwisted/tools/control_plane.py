@@ -15,7 +15,7 @@ Serves, over TLS (``--listen``):
 and an HTTP API (``--api``, plain HTTP on loopback, JSON):
   GET    /state                         mesh, streams (node, ACKs, NACKs), CSRs signed
   POST   /workloads                     add or replace a workload (local-config format, JSON)
-  DELETE /workloads/NAME                remove a workload (by name or uid)
+  DELETE /workloads/NAME                remove a workload (by name, or uid with its slashes as %2F)
   POST   /workloads/NAME/unhealthy      mark it Unhealthy (POST .../healthy: back)
   POST   /invalid                       add a malformed Address resource (to watch NACKs)
   DELETE /invalid                       remove it
@@ -31,6 +31,7 @@ import json
 import queue
 import sys
 import threading
+import urllib.parse
 from concurrent import futures
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -104,6 +105,7 @@ class MeshStore:
 
 
 def _find_workload(document, name: str) -> dict:
+    name = urllib.parse.unquote(name)  # a uid has slashes: they come percent-encoded
     for workload in document.get("workloads", []):
         if name in (workload.get("uid"), workload.get("name")):
             return workload

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 
 import pytest
@@ -124,3 +125,114 @@ def test_a_csr_names_only_the_identity_and_the_answer_is_checked(tmp_path):
         certificate_from_response(identity, other_key, answer)
     with pytest.raises(ValueError, match="a leaf and at least the root"):
         certificate_from_response(identity, key_pem, ca_pb2.IstioCertificateResponse(cert_chain=[pem(leaf)]))
+
+
+# -- gRPC framing and the client's reconnects -----------------------------------------------------
+
+
+class FakeStream:
+    """What GrpcCall needs of an h2 stream: headers, a response Deferred, writes, resets."""
+
+    def __init__(self, headers=None):
+        from twisted.internet import defer
+
+        self.headers = dict(headers or {})
+        self.response = defer.Deferred()
+        self.written: list[bytes] = []
+        self.eof = False
+        self.was_reset = False
+        self.partner = None
+        self.connection = type("C", (), {"ended_by": None})()
+
+    def set_partner(self, partner):
+        self.partner = partner
+
+    def write(self, data):
+        self.written.append(data)
+
+    def write_eof(self):
+        self.eof = True
+
+    def reset(self):
+        self.was_reset = True
+
+
+def test_grpc_messages_are_unframed_across_and_within_writes():
+    from ztwisted.xds.grpc import GrpcCall, frame
+
+    received = []
+    stream = FakeStream()
+    call = GrpcCall(stream, "/x.Y/Z", received.append)
+    stream.response.callback(stream)
+    data = frame(b"first") + frame(b"") + frame(b"third message")
+    stream.partner.write(data[:3])
+    stream.partner.write(data[3:12])
+    stream.partner.write(data[12:])
+    assert received == [b"first", b"", b"third message"]
+    call.send(b"out")
+    assert stream.written == [b"\x00\x00\x00\x00\x03out"]
+    stream.headers.update({"grpc-status": "0"})
+    stream.partner.write_eof()
+    assert call.done.called
+
+
+@pytest.mark.parametrize(("headers", "data", "code", "text"), [
+    ({"grpc-status": "16", "grpc-message": "no%20token"}, b"", 16, "no token"),
+    ({}, b"", 2, "without grpc-status"),
+    ({"grpc-status": "0"}, b"\x00\x00\x00\x00\x09half", 13, "inside a message"),
+    ({"grpc-status": "0"}, b"\x01\x00\x00\x00\x01z", 13, "compressed"),
+    ({"grpc-status": "0"}, b"\x00\xff\xff\xff\xff", 13, "over the"),
+])
+def test_grpc_call_failures_say_why(headers, data, code, text):
+    from ztwisted.xds.grpc import GrpcCall, GrpcError
+
+    stream = FakeStream()
+    call = GrpcCall(stream, "/x.Y/Z", lambda message: None)
+    stream.response.callback(stream)
+    stream.headers.update(headers)
+    if data:
+        stream.partner.write(data)
+    if not call.done.called:
+        stream.partner.write_eof()
+    failure = []
+    call.done.addErrback(failure.append)
+    assert failure[0].check(GrpcError)
+    assert failure[0].value.code == code and text in str(failure[0].value)
+
+
+def test_the_client_backs_off_with_jitter_and_keeps_its_state(monkeypatch):
+    import random
+
+    from twisted.internet import defer, task
+
+    from ztwisted.xds import client as client_module
+    from ztwisted.xds.client import MAX_BACKOFF, XdsClient
+    from ztwisted.xds.grpc import Target
+
+    clock = task.Clock()
+    attempts = []
+
+    def refuse(reactor, target, timeout):
+        attempts.append(clock.seconds())
+        return defer.fail(ConnectionRefusedError("nobody there"))
+
+    monkeypatch.setattr(client_module.grpc, "connect", refuse)
+    meshes = []
+    xds = XdsClient(clock, Target("127.0.0.1", 15012, None), node=NodeInfo(), on_mesh=meshes.append,
+                    random=random.Random(7))
+    xds.startService()
+    while len(attempts) < 14:
+        (retry,) = clock.getDelayedCalls()
+        clock.advance(retry.getTime() - clock.seconds())
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
+    assert len(attempts) > 5
+    # each wait is between half and all of a doubling bound, capped at 15 s
+    for n, gap in enumerate(gaps, start=1):
+        bound = min(MAX_BACKOFF, 0.01 * 2 ** n)
+        assert bound / 2 <= gap <= bound + 1e-9
+    assert gaps[-1] >= MAX_BACKOFF / 2
+    # jittered: not every proxy waits the same share of the bound
+    assert len({round(gap / min(MAX_BACKOFF, 0.01 * 2 ** n), 6) for n, gap in enumerate(gaps, start=1)}) > 1
+    assert not xds.ready() and xds.pending() == ["xDS istio.security.Authorization", "xDS istio.workload.Address"]
+    assert "nobody there" in xds.status()["last_error"]
+    xds.stopService()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from datetime import timedelta
+import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from cryptography import x509
@@ -236,3 +237,54 @@ def test_the_client_backs_off_with_jitter_and_keeps_its_state(monkeypatch):
     assert not xds.ready() and xds.pending() == ["xDS istio.security.Authorization", "xDS istio.workload.Address"]
     assert "nobody there" in xds.status()["last_error"]
     xds.stopService()
+
+
+def test_the_ca_client_requests_local_identities_renews_at_half_life_and_forgets_the_rest(tmp_path, monkeypatch):
+    from twisted.internet import defer, task
+
+    from ztwisted.xds import certificates as certificates_module
+    from ztwisted.xds.certificates import CertificateUnavailable, RemoteCertificateStore
+    from ztwisted.xds.grpc import Target
+
+    ca = create_files(tmp_path / "ca")
+    clock = task.Clock()
+    clock.advance(time.time())
+    pending: list[tuple[bytes, defer.Deferred]] = []
+    monkeypatch.setattr(certificates_module.grpc, "connect", lambda reactor, target, timeout: defer.succeed(
+        type("Connection", (), {"usable": True, "drain": lambda self, graceful: None})()))
+
+    def unary(connection, method, request, metadata):
+        answer = defer.Deferred()
+        pending.append((request, answer))
+        return answer
+
+    monkeypatch.setattr(certificates_module.grpc, "unary", unary)
+
+    def answer(index: int, lifetime: float = 3600) -> None:
+        request, deferred = pending[index]
+        csr = x509.load_pem_x509_csr(ca_pb2.IstioCertificateRequest.FromString(request).csr.encode())
+        leaf = ca.sign_csr(csr, timedelta(seconds=lifetime), now=datetime.fromtimestamp(clock.seconds(), tz=UTC))
+        deferred.callback(ca_pb2.IstioCertificateResponse(
+            cert_chain=[pem(leaf)] + [pem(c) for c in ca.chain]).SerializeToString())
+
+    store = RemoteCertificateStore(clock, Target("127.0.0.1", 15012, None), secret_ttl=3600)
+    a, b = SpiffeId("cluster.local", "ns", "a"), SpiffeId("cluster.local", "ns", "b")
+    store.keep_only({a})
+    assert len(pending) == 1 and store.missing({a}) == [a]
+    with pytest.raises(CertificateUnavailable, match="in flight"):
+        store.get(a)
+    answer(0)
+    first = store.get(a)
+    assert store.missing({a}) == []
+    renewed = []
+    store.subscribe(renewed.append)
+    clock.advance(1800 + 1)
+    assert len(pending) == 2
+    assert store.get(a) is first, "the old certificate serves until the new one arrives"
+    answer(1)
+    assert renewed == [store.get(a)] and store.get(a).serial != first.serial
+    store.keep_only({b})
+    assert len(pending) == 3 and store.all() == []
+    clock.advance(3600)
+    assert len(pending) == 3, "a is no longer renewed"
+    store.stop()

@@ -115,6 +115,8 @@ class RemoteCertificateStore(CertificateStore):
         self._retry_delay: dict[SpiffeId, float] = {}
         self._errors: dict[SpiffeId, str] = {}
         self._live: grpc.GrpcConnection | None = None
+        #: identities asked for and not discarded since: an answer for another one is dropped
+        self._wanted: set[SpiffeId] = set()
         self.requests = 0
 
     # -- the interface the data plane uses ----------------------------------------------
@@ -130,6 +132,12 @@ class RemoteCertificateStore(CertificateStore):
         why = self._errors.get(identity, "the request is in flight")
         raise CertificateUnavailable(f"no certificate for {identity} from the CA at https://{self.target.authority} yet: {why}")
 
+    def discard(self, identity: SpiffeId) -> None:
+        self._wanted.discard(identity)
+        self._errors.pop(identity, None)
+        self._retry_delay.pop(identity, None)
+        super().discard(identity)
+
     def stop(self) -> None:
         super().stop()
         if self._live is not None:
@@ -140,8 +148,17 @@ class RemoteCertificateStore(CertificateStore):
     def ensure(self, identities: Iterable[SpiffeId]) -> None:
         """Request a certificate for each identity that has none and none on the way."""
         for identity in identities:
+            self._wanted.add(identity)
             if identity not in self._certs and identity not in self._fetching and identity not in self._timers:
                 self._fetch(identity)
+
+    def keep_only(self, identities: Iterable[SpiffeId]) -> None:
+        """The local identities are these: request what is missing, stop renewing what is no longer local."""
+        wanted = set(identities)
+        for identity in set(self._certs) | set(self._timers) | set(self._fetching):
+            if identity not in wanted:
+                self.discard(identity)
+        self.ensure(wanted)
 
     def missing(self, identities: Iterable[SpiffeId]) -> list[SpiffeId]:
         return sorted({i for i in identities if i not in self._certs}, key=str)
@@ -170,7 +187,11 @@ class RemoteCertificateStore(CertificateStore):
             identity, key_pem, ca_pb2.IstioCertificateResponse.FromString(data)))
         fetching.addCallbacks(lambda issued: self._issued(identity, issued), lambda failure: self._failed(identity, failure))
         self._fetching[identity] = fetching
-        fetching.addBoth(lambda _: self._fetching.pop(identity, None))
+        fetching.addBoth(self._fetched, identity, fetching)
+
+    def _fetched(self, result, identity: SpiffeId, fetching: defer.Deferred) -> None:
+        if self._fetching.get(identity) is fetching:
+            del self._fetching[identity]
 
     def _call(self, request: bytes) -> defer.Deferred:
         """One CreateCertificate call, on the kept connection if it is still usable."""
@@ -198,6 +219,8 @@ class RemoteCertificateStore(CertificateStore):
         return connection
 
     def _issued(self, identity: SpiffeId, issued: IssuedCertificate) -> None:
+        if identity not in self._wanted:
+            return
         renewal = identity in self._certs
         self._certs[identity] = issued
         self._errors.pop(identity, None)
@@ -214,6 +237,8 @@ class RemoteCertificateStore(CertificateStore):
             self._notify_renewal(issued)
 
     def _failed(self, identity: SpiffeId, failure) -> None:
+        if identity not in self._wanted:
+            return
         delay = self._retry_delay.get(identity, FIRST_RETRY / 2) * 2
         self._retry_delay[identity] = min(delay, MAX_RETRY)
         error = failure.getErrorMessage() or failure.type.__name__

@@ -136,17 +136,19 @@ def remote_certificates(options, reactor):
 
 def attach(options, node, root, reactor) -> None:
     """Wire the CA client's readiness and, with --xds-address, the xDS client into ``node``."""
-    certificates = node.certificates
-    if hasattr(certificates, "missing"):
+    from ztwisted.xds.certificates import RemoteCertificateStore
 
-        def identities():
-            return {SpiffeId.parse(str(w.identity)) for w in node.local_workloads()}
+    certificates = node.certificates
+    if isinstance(certificates, RemoteCertificateStore):
+
+        def identities() -> set[SpiffeId]:
+            return {w.identity for w in node.local_workloads()}
 
         node.readiness_checks.append(lambda: [f"certificate {i}" for i in certificates.missing(identities())])
         node.dump_sections["ca"] = certificates.status
-        # Ask for every local identity's certificate as soon as the workload is known.
-        node.on_mesh_applied.append(lambda: certificates.ensure(identities()))
-        reactor.callWhenRunning(lambda: certificates.ensure(identities()))
+        # Ask for every local identity's certificate as soon as its workload is known; forget the others.
+        node.on_mesh_applied.append(lambda: certificates.keep_only(identities()))
+        reactor.callWhenRunning(lambda: certificates.keep_only(identities()))
     if not options["xds-address"]:
         return
     from ztwisted.xds.client import XdsClient

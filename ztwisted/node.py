@@ -138,8 +138,8 @@ class Node(service.MultiService):
         self._networks: dict[str, object] = {}
         # A remote CA's client (ztwisted.xds.certificates) when given; else issued here by the local CA.
         self.certificates = certificates if certificates is not None else CertificateStore(certificate_authority, reactor)
-        #: called after each apply_mesh (e.g. to request certificates for new local workloads)
-        self.on_mesh_applied: list = []
+        #: called whenever the local workloads may have changed (e.g. to request their certificates)
+        self.on_local_workloads_changed: list = []
         interval, timeout = keepalive
         self.server_h2_settings = H2Settings.server(keepalive_interval=interval, keepalive_timeout=timeout)
         self.client_h2_settings = H2Settings.client(keepalive_interval=interval, keepalive_timeout=timeout)
@@ -264,6 +264,8 @@ class Node(service.MultiService):
 
     def _local_workloads_changed(self) -> None:
         self._local_by_ip = None
+        for hook in self.on_local_workloads_changed:
+            hook()
 
     def local_workload(self, uid_or_name: str):
         """A local workload by uid, or by ``name`` / ``namespace/name``."""
@@ -327,8 +329,6 @@ class Node(service.MultiService):
         self.mesh = mesh
         self._removed_uids &= {w.uid for w in mesh.workloads}
         self._local_workloads_changed()
-        for hook in self.on_mesh_applied:
-            hook()
         if not self.running:
             return
         if self.inpod:

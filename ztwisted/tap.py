@@ -244,13 +244,17 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
     ]:
         if description and description != "none":
             listener_service(description, factory, reactor).setServiceParent(node)
-    xds_settings.attach(config, node, root, reactor)
+    xds = xds_settings.attach(config, node, root, reactor)
     if config["inpod"]:
         from ztwisted.inpod.client import ZdsClient
         from ztwisted.inpod.proxies import PodProxies
 
         zds = ZdsClient(reactor, config["inpod-uds"], PodProxies(node), metrics)
-        zds.setServiceParent(root)
+        if xds is None:
+            zds.setServiceParent(root)
+        else:
+            # Pods are matched to workloads by uid: take them from the node agent once discovery has them.
+            xds.first_push.addCallback(lambda _: zds.setServiceParent(root))
         node.readiness_checks.append(lambda: [] if zds.ready() else ["node agent snapshot", *sorted(zds.pending())])
         node.dump_sections["inpod"] = zds.status
     if config["config"]:

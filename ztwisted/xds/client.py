@@ -20,6 +20,7 @@ import attrs
 from google.protobuf import message as protobuf_message
 from google.protobuf import struct_pb2
 from twisted.application import service
+from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -150,6 +151,8 @@ class XdsClient(service.Service):
         self.connect_timeout = connect_timeout
         self.state = XdsState()
         self._awaiting = set(_DECODERS)
+        #: fires once every type has been ACKed (the first full push)
+        self.first_push = defer.Deferred()
         self._backoff = INITIAL_BACKOFF
         self._retry = None
         self._connection: grpc.GrpcConnection | None = None
@@ -251,6 +254,11 @@ class XdsClient(service.Service):
         self._call.send(request.SerializeToString())
         if mesh is not None:
             self.on_mesh(mesh)
+        if not self._awaiting and not self.first_push.called:
+            applied = self.state.mesh()
+            log.info("xDS: first push applied ({workloads} workloads, {policies} policies)",
+                     workloads=len(applied.workloads), policies=len(applied.policies))
+            self.first_push.callback(None)
 
     def _ended(self, result) -> None:
         self.connected = False

@@ -134,8 +134,8 @@ def remote_certificates(options, reactor):
     return RemoteCertificateStore(reactor, target, headers=_headers(options, "CA_HEADER_"), secret_ttl=options["secret-ttl"])
 
 
-def attach(options, node, root, reactor) -> None:
-    """Wire the CA client's readiness and, with --xds-address, the xDS client into ``node``."""
+def attach(options, node, root, reactor):
+    """Wire the CA client's readiness and, with --xds-address, the xDS client into ``node``; returns that client."""
     from ztwisted.xds.certificates import RemoteCertificateStore
 
     certificates = node.certificates
@@ -147,10 +147,10 @@ def attach(options, node, root, reactor) -> None:
         node.readiness_checks.append(lambda: [f"certificate {i}" for i in certificates.missing(identities())])
         node.dump_sections["ca"] = certificates.status
         # Ask for every local identity's certificate as soon as its workload is known; forget the others.
-        node.on_mesh_applied.append(lambda: certificates.keep_only(identities()))
+        node.on_local_workloads_changed.append(lambda: certificates.keep_only(identities()))
         reactor.callWhenRunning(lambda: certificates.keep_only(identities()))
     if not options["xds-address"]:
-        return
+        return None
     from ztwisted.xds.client import XdsClient
 
     target = grpc.Target.parse(options["xds-address"], _root(options["xds-root-ca"]), options["alt-xds-hostname"])
@@ -161,3 +161,4 @@ def attach(options, node, root, reactor) -> None:
     client.setServiceParent(root)
     node.readiness_checks.append(client.pending)
     node.dump_sections["xds"] = client.status
+    return client

@@ -102,6 +102,8 @@ def test_nodes_learn_the_mesh_over_xds_and_enforce_its_policy(tmp_path, control_
     assert [w["name"] for w in dump["workloads"] if w["local"]] == ["client"]
     assert [p["name"] for p in dump["policies"]] == ["sink-deny-client"]
     assert dump["xds"]["connected"] and dump["xds"]["nacks"] == 0
+    assert a.metric("istio_xds_message_total", url="type.googleapis.com/istio.workload.Address") >= 1
+    assert a.metric("istio_xds_message_bytes_total", url="type.googleapis.com/istio.security.Authorization") > 0
     # allowed: client -> echo service; denied: client -> sink (Deny policy pushed over xDS)
     assert echo_once(a) == b"hello through xDS"
     with pytest.raises(Socks5Refused):
@@ -134,6 +136,7 @@ def test_invalid_resource_is_nacked_and_the_last_good_state_serves(tmp_path, con
     streams = control_plane.state()["streams"]
     assert any("5 bytes" in n["error"] for s in streams for n in s["nacks"])
     assert any("NACK" in e.get("message", "") and "lab/invalid-address" in e.get("message", "") for e in a.log_events())
+    assert a.metric("ztwisted_xds_nacks_total", url="type.googleapis.com/istio.workload.Address") >= 1
     assert echo_once(a) == b"hello through xDS"
     assert ready(a)
 
@@ -157,6 +160,7 @@ def test_control_plane_restart_loses_no_tunnel_and_the_node_resyncs(tmp_path, co
         sock.sendall(b"after")
         assert sock.recv(100) == b"after"
     assert a.config_dump()["xds"]["streams_opened"] >= 2
+    assert a.metric("istio_xds_connection_terminations_total", reason="Error") == 1  # the stream the kill cut
 
 
 def test_renewal_keeps_connections(tmp_path):

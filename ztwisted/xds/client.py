@@ -141,6 +141,7 @@ class XdsClient(service.Service):
         headers: Callable[[], list[tuple[str, str]]] = list,
         random: random_module.Random | None = None,
         connect_timeout: float = 5.0,
+        metrics=None,
     ):
         self.reactor = reactor
         self.target = target
@@ -150,6 +151,7 @@ class XdsClient(service.Service):
         self.random = random or random_module.Random()
         self.connect_timeout = connect_timeout
         self.state = XdsState()
+        self.metrics = XdsMetrics(metrics) if metrics is not None else None
         self._awaiting = set(_DECODERS)
         #: fires once every type has been ACKed (the first full push)
         self.first_push = defer.Deferred()
@@ -237,6 +239,8 @@ class XdsClient(service.Service):
     def _message(self, data: bytes) -> None:
         response = discovery_pb2.DeltaDiscoveryResponse.FromString(data)
         self._received_on_stream = True
+        if self.metrics is not None:
+            self.metrics.received(response)
         mesh, rejected = self.state.apply(response)
         request = discovery_pb2.DeltaDiscoveryRequest(type_url=response.type_url, response_nonce=response.nonce)
         if rejected:
@@ -244,6 +248,8 @@ class XdsClient(service.Service):
             request.error_detail.CopyFrom(discovery_pb2.Status(code=grpc.INVALID_ARGUMENT, message=error))
             self.nacks += 1
             self.last_nack = error
+            if self.metrics is not None:
+                self.metrics.nacks.labels(url=response.type_url).inc()
             log.error(
                 "xDS: NACK {type_url} (nonce {nonce}), keeping the last good version of: {error}",
                 type_url=response.type_url, nonce=response.nonce, error=error,
@@ -270,6 +276,8 @@ class XdsClient(service.Service):
             return
         reason = getattr(result, "value", None)
         self.last_error = str(reason) if reason is not None else "the server ended the stream"
+        if self.metrics is not None:
+            self.metrics.terminations.labels(reason=_termination_reason(reason)).inc()
         if self._received_on_stream or (isinstance(reason, grpc.GrpcError) and reason.code in (grpc.OK, grpc.CANCELLED)):
             self._backoff = INITIAL_BACKOFF
         else:
@@ -285,3 +293,31 @@ class XdsClient(service.Service):
             policies=len(self.state.resources[AUTHORIZATION_TYPE]),
         )
         self._retry = self.reactor.callLater(delay, self._connect)
+
+
+def _termination_reason(error) -> str:
+    """ztunnel's reasons: the connection failed, the server ended the stream (cleanly or asking for a reconnect), or else."""
+    if error is None or (isinstance(error, grpc.GrpcError) and error.code == grpc.OK):
+        return "Complete"
+    if not isinstance(error, grpc.GrpcError):
+        return "ConnectionError"
+    if error.code in (grpc.UNKNOWN, grpc.CANCELLED, grpc.DEADLINE_EXCEEDED):
+        return "Reconnect"
+    return "Error"
+
+
+class XdsMetrics:
+    """ztunnel's istio_xds_* metrics (and NACKs) on the node's registry."""
+
+    def __init__(self, metrics):
+        self.terminations = metrics.counter(
+            "istio_xds_connection_terminations_total", "The total number of completed connections to xds server",
+            ("reason",))
+        self.messages = metrics.counter("istio_xds_message_total", "Total number of messages received", ("url",))
+        self.message_bytes = metrics.counter(
+            "istio_xds_message_bytes_total", "Total number of bytes received", ("url",))
+        self.nacks = metrics.counter("ztwisted_xds_nacks_total", "Responses rejected (NACKed), by type", ("url",))
+
+    def received(self, response) -> None:
+        self.messages.labels(url=response.type_url).inc()
+        self.message_bytes.labels(url=response.type_url).inc(sum(len(r.resource.value) for r in response.resources))

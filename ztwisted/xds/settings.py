@@ -156,7 +156,7 @@ def attach(options, node, root, reactor):
     target = grpc.Target.parse(options["xds-address"], _root(options["xds-root-ca"]), options["alt-xds-hostname"])
     client = XdsClient(
         reactor, target, node=node_info(options), on_mesh=node.apply_mesh,
-        headers=_headers(options, "XDS_HEADER_"), random=node.random,
+        headers=_headers(options, "XDS_HEADER_"), random=node.random, metrics=node.metrics,
     )
     client.setServiceParent(root)
     node.readiness_checks.append(client.pending)

@@ -202,6 +202,12 @@ def test_ca_down_at_start_keeps_readiness_false(tmp_path):
         assert b"certificate spiffe://cluster.local/ns/default/sa/client" in body
         time.sleep(0.5)
         assert not ready(node)
+        # Its inbound port closes connections cleanly meanwhile: nothing to present yet.
+        with socket.create_connection((CLIENT_IP, 15008), timeout=5) as sock:
+            assert sock.recv(100) == b""
+        wait_until(lambda: any(e.get("message", "").startswith("closing the connection from")
+                               for e in node.log_events()), timeout=5, what="the refusal in the log")
+        assert "Traceback" not in node.log_path.read_text()
     finally:
         node.stop()
 

@@ -271,6 +271,8 @@ def connect(reactor, target: Target, *, timeout: float = 5.0, settings: H2Settin
         creator = _ControlPlaneTLS(target)
     except ValueError as e:
         return defer.fail(e)
+    # ztunnel's control-plane channel: a PING after 30 s of silence, 10 s for its answer.
+    settings = settings or H2Settings.client(keepalive_interval=30.0, keepalive_timeout=10.0)
     connection = GrpcConnection(clock=reactor, authority=target.authority, settings=settings)
     factory = TLSMemoryBIOFactory(creator, True, factory_for(connection))
     factory.noisy = False

@@ -288,3 +288,13 @@ def test_the_ca_client_requests_local_identities_renews_at_half_life_and_forgets
     clock.advance(3600)
     assert len(pending) == 3, "a is no longer renewed"
     store.stop()
+
+
+def test_the_control_planes_help_says_it_is_a_lab_tool_and_lists_its_api(capsys):
+    from ztwisted.tools.control_plane import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "LAB AND TEST control plane, NOT for production" in text
+    assert "DELETE /workloads/NAME" in text and "CreateCertificate" in text

@@ -4,7 +4,7 @@ LAB AND TEST COMPONENT, NOT A PRODUCTION CONTROL PLANE. It authenticates no
 one beyond an optional shared bearer token, signs whatever identity a CSR
 asks for, keeps everything in memory and serves one mesh file. It exists so
 that ztwisted and ztunnel can be fed by the same xDS server and CA in tests
-and in the drain lab.
+and experiments.
 
 It is a separate process and uses grpcio's server (threads); the proxy's
 own clients speak gRPC over ztwisted's HTTP/2 stack on the reactor.
@@ -30,6 +30,7 @@ import ipaddress
 import json
 import queue
 import sys
+import textwrap
 import threading
 import urllib.parse
 from concurrent import futures
@@ -337,9 +338,13 @@ def _host_port(value: str) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ztunnel-control-plane",
-        description="A LAB AND TEST control plane, NOT for production: serves delta xDS (workloads, services, "
-        "authorization policies) and the Istio CA service from a mesh YAML (ztunnel's local config format), "
-        "with an HTTP API to add, remove and mark pods unhealthy. It signs any identity a CSR asks for.",
+        description=textwrap.fill(
+            "A LAB AND TEST control plane, NOT for production: serves delta xDS (workloads, services, "
+            "authorization policies) and the Istio CA service from a mesh YAML (ztunnel's local config format), "
+            "with an HTTP API to add, remove and mark pods unhealthy. It signs any identity a CSR asks for.", 79),
+        # The served methods and the HTTP API, from this module's docstring.
+        epilog="Serves" + __doc__.split("\nServes", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--mesh", required=True, help="mesh YAML (the format of twistd ztunnel --config / LOCAL_XDS_PATH)")
     parser.add_argument("--listen", default="127.0.0.1:15012", help="gRPC over TLS: xDS and CA [%(default)s]")

@@ -17,7 +17,7 @@ from tests.integration.conftest import (
     SINK_IP,
     TWO_NODE_MESH,
 )
-from tests.integration.xds_support import ControlPlane
+from tests.integration.xds_support import ControlPlane, deny_policy
 from tests.support import EchoServer, mesh_workload, pod_uid, wait_until
 from ztwisted.harness import NodeProcess, Socks5Refused, socks5_connect
 
@@ -26,15 +26,8 @@ XDS_ADDRESS = f"https://{CONTROL_PLANE_IP}:15012"
 
 SINK_ENTRY = mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
 # The two-node mesh, where a Deny policy selects sink: client -> echo is allowed, client -> sink denied.
-MESH = TWO_NODE_MESH.replace(SINK_ENTRY, SINK_ENTRY + '  authorizationPolicies: ["default/sink-deny-client"]\n') + """\
-policies:
-- name: sink-deny-client
-  namespace: default
-  scope: WorkloadSelector
-  action: Deny
-  rules:
-  - - - principals: ["spiffe://cluster.local/ns/default/sa/client"]
-"""
+MESH = (TWO_NODE_MESH.replace(SINK_ENTRY, SINK_ENTRY + '  authorizationPolicies: ["default/sink-deny-client"]\n')
+        + "policies:\n" + deny_policy("sink-deny-client", "client"))
 
 
 def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlPlane, *extra: str) -> NodeProcess:

@@ -27,7 +27,7 @@ from tests.integration.inpod_support import (
     remove_leftover_namespaces,
     start_echo,
 )
-from tests.integration.xds_support import ControlPlane, http_json, in_netns, socks_echo
+from tests.integration.xds_support import ControlPlane, deny_policy, http_json, in_netns, socks_echo
 from tests.support import wait_until
 from ztwisted.harness import NodeProcess
 
@@ -52,21 +52,9 @@ MESH = (
     + workload("sink", SINK_IP, "node-t", '  authorizationPolicies: ["default/sink-deny-ztpod"]\n')
     + workload("client", CLIENT_IP, "node-t")
     + workload("intruder", INTRUDER_IP, "node-t")
-    + """\
-policies:
-- name: ztpod-deny-intruder
-  namespace: default
-  scope: WorkloadSelector
-  action: Deny
-  rules:
-  - - - principals: ["spiffe://cluster.local/ns/default/sa/intruder"]
-- name: sink-deny-ztpod
-  namespace: default
-  scope: WorkloadSelector
-  action: Deny
-  rules:
-  - - - principals: ["spiffe://cluster.local/ns/default/sa/ztpod"]
-"""
+    + "policies:\n"
+    + deny_policy("ztpod-deny-intruder", "intruder")
+    + deny_policy("sink-deny-ztpod", "ztpod")
 )
 
 

@@ -298,3 +298,65 @@ def test_the_control_planes_help_says_it_is_a_lab_tool_and_lists_its_api(capsys)
     text = capsys.readouterr().out
     assert "LAB AND TEST control plane, NOT for production" in text
     assert "DELETE /workloads/NAME" in text and "CreateCertificate" in text
+
+
+def test_call_headers_carry_the_token_the_cluster_id_and_the_prefixed_variables(tmp_path):
+    from ztwisted.xds.settings import _headers
+
+    options = {"auth-token": "static-token", "cluster-id": "c1"}
+    environ = {"XDS_HEADER_X_TENANT": "t1", "CA_HEADER_OTHER": "no"}
+    assert _headers(options, "XDS_HEADER_", environ)() == [
+        ("x_tenant", "t1"), ("authorization", "Bearer static-token"), ("clusterid", "c1")]
+    token = tmp_path / "istio-token"
+    token.write_text("first\n")
+    headers = _headers({"auth-token": str(token), "cluster-id": "c1"}, "CA_HEADER_", environ)
+    assert headers() == [("other", "no"), ("authorization", "Bearer first"), ("clusterid", "c1")]
+    token.write_text("rotated")
+    assert ("authorization", "Bearer rotated") in headers(), "the file is read for every connection"
+    token.write_text("")
+    with pytest.raises(OSError, match="empty"):
+        headers()
+
+
+def _options(tmp_path, *args):
+    from ztwisted import tap
+
+    parsed = tap.Options()
+    parsed.parseOptions(["--state-dir", str(tmp_path / "state"), *args])
+    return parsed
+
+
+def test_ztunnels_variables_become_the_xds_options_and_xds_mode_holds_no_ca_key(tmp_path, monkeypatch):
+    from twisted.internet.testing import MemoryReactorClock
+
+    from ztwisted import tap
+    from ztwisted.xds.certificates import RemoteCertificateStore
+
+    for name in ("LOCAL_XDS_PATH", "CA_ADDRESS", "ISTIO_META_CLUSTER_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDS_ADDRESS", "https://istiod.istio-system.svc:15012")
+    monkeypatch.setenv("CLUSTER_ID", "c7")
+    monkeypatch.setenv("SECRET_TTL", "90m")
+    parsed = _options(tmp_path)
+    assert parsed["xds-address"] == parsed["ca-address"] == "https://istiod.istio-system.svc:15012"
+    assert (parsed["cluster-id"], parsed["secret-ttl"]) == ("c7", 5400)
+    assert parsed.certificate_authority is None and parsed.mesh.workloads == ()
+    node = tap.makeService(parsed, MemoryReactorClock()).node
+    assert isinstance(node.certificates, RemoteCertificateStore)
+    assert "xDS istio.workload.Address" in node.readiness()
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").rglob("*key*"))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--xds-address", "http://plain:15010"), "TLS is required"),
+    (("--xds-address", "https://a:1", "--config", builtin_example_path()), "exclude each other"),
+    (("--ca-address", "https://a:1", "--ca-dir", "/nonexistent"), "exclude each other"),
+    (("--secret-ttl", "soon"), "not a duration"),
+])
+def test_xds_option_mistakes_are_usage_errors(tmp_path, monkeypatch, args, message):
+    from twisted.python import usage
+
+    for name in ("XDS_ADDRESS", "CA_ADDRESS", "LOCAL_XDS_PATH", "SECRET_TTL"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(usage.UsageError, match=message):
+        _options(tmp_path, *args)

@@ -93,7 +93,8 @@ def _root(value: str | None) -> bytes | None:
 def _headers(options, prefix: str, environ=os.environ):
     """The headers of each call: the token (read now, so a rotated file is used) and ``<prefix>*`` variables."""
     token_setting = options["auth-token"]
-    extra = [(key[len(prefix):].lower().replace("_", "-"), value) for key, value in environ.items() if key.startswith(prefix)]
+    # As ztunnel: the rest of the variable's name is the header's (lower case, underscores kept).
+    extra = [(key[len(prefix):].lower(), value) for key, value in environ.items() if key.startswith(prefix)]
 
     def headers() -> list[tuple[str, str]]:
         out = list(extra)

@@ -27,6 +27,10 @@ _ACTIONS = {authorization_pb2.ALLOW: "Allow", authorization_pb2.DENY: "Deny"}
 _PROTOCOLS = {workload_pb2.NONE: "TCP", workload_pb2.HBONE: "HBONE"}
 
 
+# Resources are kept by their xDS name, as ztunnel keeps them (istiod names a workload by its uid,
+# a service "namespace/hostname", a policy "namespace/name"); the name is not checked against the content.
+
+
 class InvalidResource(ValueError):
     """A resource the proxy rejects; ``str()`` names the resource and the field."""
 
@@ -44,8 +48,6 @@ def workload_from_proto(w: workload_pb2.Workload, name: str = "") -> Workload:
     where = f"workload {w.uid or name or w.name!r}"
     if not w.uid:
         raise InvalidResource(f"{where}: uid is empty")
-    if name and name != w.uid:
-        raise InvalidResource(f"{where}: the resource is named {name!r}, not after the workload's uid")
     if not w.name or not w.namespace:
         raise InvalidResource(f"{where}: name and namespace are required")
     for field in ("waypoint", "network_gateway", "application_tunnel"):
@@ -86,8 +88,6 @@ def service_from_proto(s: workload_pb2.Service, name: str = "") -> Service:
     where = f"service {s.namespace}/{s.hostname}"
     if not s.hostname or not s.namespace:
         raise InvalidResource(f"service {name!r}: hostname and namespace are required")
-    if name and name != f"{s.namespace}/{s.hostname}":
-        raise InvalidResource(f"{where}: the resource is named {name!r}, not namespace/hostname")
     if s.HasField("waypoint") or s.weighted_waypoints:
         raise InvalidResource(f"{where}: waypoint is not supported by ztwisted")
     vips = [(a.network, _ip(a.address, f"{where}: addresses[{i}]")) for i, a in enumerate(s.addresses)]
@@ -149,8 +149,6 @@ def policy_from_proto(a: authorization_pb2.Authorization, name: str = "") -> Pol
     where = f"authorization {a.namespace}/{a.name}"
     if not a.name:
         raise InvalidResource(f"authorization {name!r}: name is empty")
-    if name and name != f"{a.namespace}/{a.name}":
-        raise InvalidResource(f"{where}: the resource is named {name!r}, not namespace/name")
     if a.scope not in _SCOPES:
         raise InvalidResource(f"{where}: unknown scope {a.scope}")
     if a.action not in _ACTIONS:

@@ -71,8 +71,14 @@ def test_unsupported_features_and_conflicts_are_named():
         for n in ("a", "b")
     }
     mesh, rejected = state.apply(response(ADDRESS_TYPE, twins))
-    assert mesh is None and "conflicts with the accepted state" in rejected[0] and "10.0.0.1" in rejected[0]
-    assert state.mesh().workloads == ()
+    assert rejected == ["c//v1/Pod/ns/b: address 10.0.0.1 is already c//v1/Pod/ns/a's"]
+    assert [w.name for w in mesh.workloads] == ["a"]
+    # once a lets the address go, b may have it
+    moved = workload_pb2.Address()
+    moved.CopyFrom(twins["c//v1/Pod/ns/a"])
+    moved.workload.addresses[:] = [bytes([10, 0, 0, 2])]
+    mesh, rejected = state.apply(response(ADDRESS_TYPE, {"c//v1/Pod/ns/a": moved, "c//v1/Pod/ns/b": twins["c//v1/Pod/ns/b"]}))
+    assert rejected == [] and {str(w.workload_ips[0]) for w in mesh.workloads} == {"10.0.0.1", "10.0.0.2"}
 
 
 def test_removals_and_unknown_types():
@@ -360,3 +366,16 @@ def test_xds_option_mistakes_are_usage_errors(tmp_path, monkeypatch, args, messa
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(usage.UsageError, match=message):
         _options(tmp_path, *args)
+
+
+def test_host_network_pods_sharing_their_nodes_address_are_accepted():
+    state = XdsState()
+    pods = {}
+    for name in ("a", "b"):
+        uid = f"c//v1/Pod/kube-system/{name}"
+        pods[uid] = workload_pb2.Address(workload=workload_pb2.Workload(
+            uid=uid, name=name, namespace="kube-system", addresses=[bytes([10, 0, 0, 9])],
+            network_mode=workload_pb2.HOST_NETWORK))
+    mesh, rejected = state.apply(response(ADDRESS_TYPE, pods))
+    assert rejected == [] and {w.name for w in mesh.workloads} == {"a", "b"}
+    assert mesh.workload_by_ip("10.0.0.9") is None

@@ -91,6 +91,10 @@ class XdsState:
         message_class, convert = _DECODERS[type_url]
         candidate = {t: dict(by_name) for t, by_name in self.resources.items()}
         versions = dict(self.versions[type_url])
+        for name in response.removed_resources:
+            candidate[type_url].pop(name, None)
+            versions.pop(name, None)
+        claims = _Claims(candidate)
         rejected = []
         for resource in response.resources:
             try:
@@ -101,22 +105,53 @@ class XdsState:
                     resource.resource.Unpack(decoded)
                 except protobuf_message.DecodeError as e:
                     raise InvalidResource(f"{resource.name}: not a valid {message_class.DESCRIPTOR.full_name}: {e}") from None
-                candidate[type_url][resource.name] = convert(decoded, resource.name)
+                converted = convert(decoded, resource.name)
+                # An address (or key) another accepted resource holds: this one is rejected, the other stays.
+                claims.take(resource.name, converted, candidate[type_url].get(resource.name))
+                candidate[type_url][resource.name] = converted
                 versions[resource.name] = resource.version
             except (InvalidResource, ValueError) as e:
                 rejected.append(str(e))
-        for name in response.removed_resources:
-            candidate[type_url].pop(name, None)
-            versions.pop(name, None)
         try:
             mesh = _mesh_of(candidate)
-        except ValueError as e:
-            # A conflict between resources (an IP used twice...): the whole response goes.
+        except ValueError as e:  # not expected after the claims: keep everything as it was
             return None, [*rejected, f"the update conflicts with the accepted state: {e}"]
         changed = candidate != self.resources
         self.resources = candidate
         self.versions[type_url] = versions
         return (mesh if changed else None), rejected
+
+
+class _Claims:
+    """Who holds each address, uid and key the model wants unique, by resource name."""
+
+    def __init__(self, resources) -> None:
+        self._holder: dict[tuple, str] = {}
+        for by_name in resources.values():
+            for name, resource in by_name.items():
+                for claim in _claims_of(resource):
+                    self._holder[claim] = name
+
+    def take(self, name: str, new, old) -> None:
+        """Move ``name``'s claims from ``old`` to ``new``; InvalidResource if another resource holds one."""
+        for claim in _claims_of(new):
+            holder = self._holder.get(claim, name)
+            if holder != name:
+                kind, value = claim
+                raise InvalidResource(f"{name}: {kind} {value} is already {holder}'s")
+        for claim in _claims_of(old) if old is not None else ():
+            if self._holder.get(claim) == name:
+                del self._holder[claim]
+        for claim in _claims_of(new):
+            self._holder[claim] = name
+
+
+def _claims_of(resource) -> list[tuple]:
+    if isinstance(resource, Workload):
+        return [("address", ip) for ip in resource.workload_ips] + [("uid", resource.uid)]
+    if isinstance(resource, Service):
+        return [("address", ip) for _, ip in resource.vips] + [("service", resource.key)]
+    return [("policy", resource.key)]
 
 
 def _mesh_of(resources) -> Mesh:

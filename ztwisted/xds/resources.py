@@ -56,6 +56,11 @@ def workload_from_proto(w: workload_pb2.Workload, name: str = "") -> Workload:
     if w.tunnel_protocol not in _PROTOCOLS:
         raise InvalidResource(f"{where}: tunnel_protocol {workload_pb2.TunnelProtocol.Name(w.tunnel_protocol)} is not supported")
     ips = [_ip(address, f"{where}: addresses[{i}]") for i, address in enumerate(w.addresses)]
+    if w.network_mode == workload_pb2.HOST_NETWORK:
+        # Host-network pods share their node's address, which ztunnel does not look them up by; in
+        # ztwisted's model an address belongs to one workload, so they come without one (and so are
+        # no service endpoint here, a known difference).
+        ips = []
     services = {}
     for key, port_list in w.services.items():
         if "/" not in key:

@@ -116,6 +116,7 @@ class Node(service.MultiService):
         packet_mark: int | None = None,
         pod_outbound_port: int | None = 15001,
         random_seed: int | None = None,
+        certificates=None,
     ):
         super().__init__()
         self.reactor = reactor
@@ -135,7 +136,10 @@ class Node(service.MultiService):
         self.host_network = HostNetwork(reactor, mark=packet_mark)
         self._pods: dict[str, object] = {}
         self._networks: dict[str, object] = {}
-        self.certificates = CertificateStore(certificate_authority, reactor)
+        # A remote CA's client (ztwisted.xds.certificates) when given; else issued here by the local CA.
+        self.certificates = certificates if certificates is not None else CertificateStore(certificate_authority, reactor)
+        #: called whenever the local workloads may have changed (e.g. to request their certificates)
+        self.on_local_workloads_changed: list = []
         interval, timeout = keepalive
         self.server_h2_settings = H2Settings.server(keepalive_interval=interval, keepalive_timeout=timeout)
         self.client_h2_settings = H2Settings.client(keepalive_interval=interval, keepalive_timeout=timeout)
@@ -260,6 +264,8 @@ class Node(service.MultiService):
 
     def _local_workloads_changed(self) -> None:
         self._local_by_ip = None
+        for hook in self.on_local_workloads_changed:
+            hook()
 
     def local_workload(self, uid_or_name: str):
         """A local workload by uid, or by ``name`` / ``namespace/name``."""

@@ -19,8 +19,10 @@ from ztwisted.config import ConfigError, ConfigWatcher, builtin_example_path, lo
 from ztwisted.drain.registry import DEFAULT_STRATEGY, UnknownStrategy, describe, select
 from ztwisted.logs import observer_for
 from ztwisted.metrics import Metrics
+from ztwisted.model import Mesh
 from ztwisted.node import Node, drain_timeout_from_environment
 from ztwisted.sockets import allow_accept_queue_migration, listener_service
+from ztwisted.xds import settings as xds_settings
 
 log = Logger()
 
@@ -69,6 +71,8 @@ class Options(usage.Options):
         ["random-seed", None, None, "Seed the proxy's random choices (endpoint selection, backoff jitter): for reproducible labs.", int],
         ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
         ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
+        # xDS and CA client settings (ztunnel's environment variable names): ztwisted/xds/settings.py
+        *xds_settings.option_parameters(),
     ]
 
     def opt_version(self):
@@ -131,19 +135,24 @@ class Options(usage.Options):
             self["packet-mark"] = None
         if self["state-dir"] is None:
             self["state-dir"] = default_state_dir()
+        xds_settings.apply_environment(self)
         try:
-            self.mesh = load_config(self["config"] or builtin_example_path())
+            # In xDS mode the mesh starts empty and readiness waits for the first push.
+            self.mesh = Mesh() if self["xds-address"] else load_config(self["config"] or builtin_example_path())
         except ConfigError as e:
             # Not a usage mistake: the error alone, without twistd's whole usage text.
             raise SystemExit(f"ztunnel: bad configuration:\n{e}") from None
         try:
-            if self["ca-dir"]:
+            if self["ca-address"]:
+                # Certificates come from the CA service: no CA key on this node.
+                self.certificate_authority = None
+            elif self["ca-dir"]:
                 self.certificate_authority = CertificateAuthority.load(self["ca-dir"])
             else:
                 self.certificate_authority = CertificateAuthority.load_or_create_dev(self["state-dir"])
         except CAError as e:
             raise SystemExit(f"ztunnel: certificate authority: {e}") from None
-        if self["node"] and not self.mesh.local_workloads(self["node"]):
+        if self["node"] and not self["xds-address"] and not self.mesh.local_workloads(self["node"]):
             log.warn("no workload in the configuration has node {node!r}", node=self["node"])
 
 
@@ -219,7 +228,8 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
         inpod=bool(config["inpod"]),
         random_seed=config["random-seed"],
         packet_mark=config["packet-mark"],
-        config_source=config["config"] or "<built-in example>",
+        config_source=config["xds-address"] or config["config"] or "<built-in example>",
+        certificates=xds_settings.remote_certificates(config, reactor),
     )
     node.setServiceParent(root)
     root.node = node
@@ -234,12 +244,17 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
     ]:
         if description and description != "none":
             listener_service(description, factory, reactor).setServiceParent(node)
+    xds = xds_settings.attach(config, node, root, reactor)
     if config["inpod"]:
         from ztwisted.inpod.client import ZdsClient
         from ztwisted.inpod.proxies import PodProxies
 
         zds = ZdsClient(reactor, config["inpod-uds"], PodProxies(node), metrics)
-        zds.setServiceParent(root)
+        if xds is None:
+            zds.setServiceParent(root)
+        else:
+            # Pods are matched to workloads by uid: take them from the node agent once discovery has them.
+            xds.first_push.addCallback(lambda _: zds.setServiceParent(root))
         node.readiness_checks.append(lambda: [] if zds.ready() else ["node agent snapshot", *sorted(zds.pending())])
         node.dump_sections["inpod"] = zds.status
     if config["config"]:

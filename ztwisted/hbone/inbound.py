@@ -78,6 +78,23 @@ def _denial(decision) -> str:
     return f"denied by policy {decision.policy}" if decision.policy else decision.reason
 
 
+class _InboundTLSFactory(TLSMemoryBIOFactory):
+    """Closes a connection at once while the workload has no certificate to present (one from a
+    remote CA may still be on its way), instead of failing inside the TLS setup."""
+
+    def __init__(self, server_tls: ServerTLS, wrapped_factory):
+        super().__init__(server_tls, False, wrapped_factory)
+        self._server_tls = server_tls
+
+    def buildProtocol(self, addr):
+        try:
+            self._server_tls.context()
+        except Exception as e:
+            log.info("closing the connection from {peer}: {error}", peer=f"{addr.host}:{addr.port}", error=str(e))
+            return None
+        return super().buildProtocol(addr)
+
+
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
@@ -89,7 +106,7 @@ class InboundHBONE:
         self._tls = ServerTLS(lambda: node.certificates.get(workload.identity), trust_domain=workload.trust_domain)
 
     def factory(self) -> TLSMemoryBIOFactory:
-        return TLSMemoryBIOFactory(self._tls, False, _ConnectionFactory(self))
+        return _InboundTLSFactory(self._tls, _ConnectionFactory(self))
 
     def _connection_made(self, connection: HBONEConnection) -> None:
         track_hbone_connection(self.node.metrics, connection, "inbound")

@@ -8,7 +8,7 @@ import sys
 
 from twisted.application import service
 from twisted.internet import reactor as global_reactor
-from twisted.logger import ILogObserver, Logger
+from twisted.logger import FilteringLogObserver, ILogObserver, Logger, PredicateResult
 from twisted.python import usage
 from twisted.web.server import Site
 
@@ -20,7 +20,7 @@ from ztwisted.drain.registry import DEFAULT_STRATEGY, UnknownStrategy, describe,
 from ztwisted.logs import observer_for
 from ztwisted.metrics import Metrics
 from ztwisted.node import Node, drain_timeout_from_environment
-from ztwisted.sockets import allow_accept_queue_migration, listener_service
+from ztwisted.sockets import CannotListen, allow_accept_queue_migration, is_port_noise, listener_service
 
 log = Logger()
 
@@ -151,11 +151,20 @@ class ProxyService(service.MultiService):
     """The root service: picks the log format when twistd attaches it to the application, and
     makes a second SIGTERM/SIGINT during the drain stop at once."""
 
-    def __init__(self, log_format: str, reactor):
+    def __init__(self, log_format: str, reactor, *, logs_to_stdout: bool = True):
         super().__init__()
         self.log_format = log_format
+        self.logs_to_stdout = logs_to_stdout
         self.reactor = reactor
         self.node: Node | None = None
+
+    def privilegedStartService(self):
+        try:
+            super().privilegedStartService()
+        except CannotListen as e:
+            # One line naming the option and the address, not twistd's traceback.
+            log.critical("cannot start: {error}", error=str(e))
+            raise SystemExit(1) from None
 
     def startService(self):
         super().startService()
@@ -182,9 +191,25 @@ class ProxyService(service.MultiService):
             signal.signal(signum, handler)
 
     def setServiceParent(self, parent):
-        if self.log_format == "json" and hasattr(parent, "setComponent"):
-            parent.setComponent(ILogObserver, observer_for("json", sys.stdout))
+        # JSON always goes to stdout; text does when twistd would put it there (-n without
+        # --logfile or --syslog), else twistd's own observer stays.
+        if hasattr(parent, "setComponent") and (self.log_format == "json" or self.logs_to_stdout):
+            observer = observer_for(self.log_format, sys.stdout)
+            parent.setComponent(ILogObserver, FilteringLogObserver(observer, [_without_port_noise]))
         return super().setServiceParent(parent)
+
+
+def _without_port_noise(event) -> PredicateResult:
+    return PredicateResult.no if is_port_noise(event) else PredicateResult.maybe
+
+
+def _twistd_logs_to_stdout(config: Options) -> bool:
+    """Whether twistd's options (the parent of ours) send the log to stdout."""
+    twistd = getattr(config, "parent", None)
+    if twistd is None:
+        return True
+    return bool(twistd.get("nodaemon")) and twistd.get("logfile") in (None, "-") and not twistd.get("syslog") \
+        and not twistd.get("logger")
 
 
 class _ConfigWatchService(service.Service):
@@ -202,7 +227,7 @@ class _ConfigWatchService(service.Service):
 
 def makeService(config: Options, reactor=global_reactor) -> service.IService:
     metrics = Metrics()
-    root = ProxyService(config["log-format"], reactor)
+    root = ProxyService(config["log-format"], reactor, logs_to_stdout=_twistd_logs_to_stdout(config))
     node = Node(
         reactor,
         mesh=config.mesh,
@@ -225,15 +250,16 @@ def makeService(config: Options, reactor=global_reactor) -> service.IService:
     root.node = node
     if not allow_accept_queue_migration():
         log.info("could not set net.ipv4.tcp_migrate_req=1: a restart may reset connections waiting in accept queues")
-    for description, factory in [
-        (config["socks5"], node.outbound.socks5_factory()),
-        (config["outbound"], node.outbound.redirect_factory()),
-        (config["admin"], Site(admin_resource(node, reactor))),
-        (config["metrics"], Site(metrics_resource(metrics))),
-        (config["readiness"], Site(readiness_resource(node))),
+    for option, purpose, factory in [
+        ("socks5", "SOCKS5 outbound", node.outbound.socks5_factory()),
+        ("outbound", "redirected outbound", node.outbound.redirect_factory()),
+        ("admin", "admin", Site(admin_resource(node, reactor))),
+        ("metrics", "metrics", Site(metrics_resource(metrics))),
+        ("readiness", "readiness", Site(readiness_resource(node))),
     ]:
+        description = config[option]
         if description and description != "none":
-            listener_service(description, factory, reactor).setServiceParent(node)
+            listener_service(description, factory, reactor, purpose=purpose, option=f"--{option}").setServiceParent(node)
     if config["inpod"]:
         from ztwisted.inpod.client import ZdsClient
         from ztwisted.inpod.proxies import PodProxies

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support import DEFAULT_TEST_NET, close_listener, listening_socket, listeners_in
+from tests.support import DEFAULT_TEST_NET, close_listener, listeners_in, listening_socket
 from ztwisted.config import builtin_example_path, load_config
 from ztwisted.tap import Options
 

@@ -25,6 +25,8 @@ from ztwisted.sockets import CannotListen, allow_accept_queue_migration, is_port
 log = Logger()
 
 DEFAULT_SOCKET_PATH = "/var/run/ztunnel/ztunnel.sock"
+#: where --drain-strategy help sends the reader: the Sphinx docs in the source (`tox -e docs` builds them)
+DRAINING_DOCS = "docs/draining.rst and docs/strategies/NAME.rst in ztwisted's source"
 #: ztunnel's mark on its own traffic, so a pod's redirect rules can let it pass
 DEFAULT_PACKET_MARK = 1337
 
@@ -99,8 +101,10 @@ class Options(usage.Options):
     def opt_drain_strategy(self, spec: str) -> None:
         """Drain strategies, comma separated; `help` lists the installed ones [default: immediate]."""
         if spec == "help":
-            print("Installed drain strategies (compose with commas, e.g. client-evict,last-mile):")
+            print("How connections end when a pod or the proxy shuts down. Installed drain strategies")
+            print("(compose with commas, e.g. client-evict,last-mile):")
             print(describe())
+            print(f"\nHow draining works, and a page per built-in strategy: {DRAINING_DOCS}")
             sys.exit(0)
         self["drain-strategy"] = spec
 
@@ -109,7 +113,8 @@ class Options(usage.Options):
         try:
             self.strategies = select(self["drain-strategy"])
         except UnknownStrategy as e:
-            raise usage.UsageError(str(e)) from None
+            # The error and the names, on stderr: twistd's usage text would bury them.
+            raise SystemExit(f"ztunnel: --drain-strategy: {e} (--drain-strategy help describes them)") from None
         if self["log-format"] not in ("json", "text"):
             raise usage.UsageError(f"--log-format must be json or text, not {self['log-format']!r}")
         if self["drain-timeout"] is not None:

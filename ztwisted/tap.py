@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import signal
 import sys
@@ -196,12 +198,46 @@ class ProxyService(service.MultiService):
             signal.signal(signum, handler)
 
     def setServiceParent(self, parent):
-        # JSON always goes to stdout; text does when twistd would put it there (-n without
-        # --logfile or --syslog), else twistd's own observer stays.
-        if hasattr(parent, "setComponent") and (self.log_format == "json" or self.logs_to_stdout):
-            observer = observer_for(self.log_format, sys.stdout)
-            parent.setComponent(ILogObserver, FilteringLogObserver(observer, [_without_port_noise]))
+        if hasattr(parent, "setComponent"):  # twistd's application: this service is the process
+            # JSON always goes to stdout; text does when twistd would put it there (-n without
+            # --logfile or --syslog), else twistd's own observer stays.
+            if self.log_format == "json" or self.logs_to_stdout:
+                observer = observer_for(self.log_format, sys.stdout)
+                parent.setComponent(ILogObserver, FilteringLogObserver(observer, [_without_port_noise]))
+            if self.reactor is global_reactor:
+                _ExitWithoutTeardown(self.reactor)
         return super().setServiceParent(parent)
+
+
+class _ExitWithoutTeardown:
+    """Once the reactor has stopped cleanly, the process ends without Python's interpreter teardown.
+
+    After SIGTERM or SIGINT twistd re-raises the signal, which ends the process
+    at once. A stop without a signal (``POST /quitquitquit``) returns to
+    Python, whose teardown of the ~60,000 objects of an idle proxy took 0.1 s
+    on a quiet machine and 0.8 s on a loaded one, after "Server Shut Down.":
+    time in which the process is done but has not exited.
+    """
+
+    def __init__(self, reactor):
+        self.stopped = False
+        reactor.addSystemEventTrigger("after", "shutdown", self._stopped)
+        # Registered now, before twistd runs, so that any handler registered later runs first.
+        atexit.register(self._exit)
+
+    def _stopped(self) -> None:
+        self.stopped = True
+
+    def _exit(self) -> None:
+        if not self.stopped or hasattr(sys, "last_value"):
+            return  # no clean stop (an uncaught exception, a start-up error): Python ends as usual
+        logging.shutdown()  # the one handler the standard library registered before this one
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        os._exit(0)
 
 
 def _without_port_noise(event) -> PredicateResult:

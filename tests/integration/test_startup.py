@@ -1,4 +1,4 @@
-"""Starting a node from the command line: what it logs, and how it refuses to start."""
+"""Starting and stopping a node from the command line: what it logs, how it refuses to start, how it exits."""
 
 from __future__ import annotations
 
@@ -89,3 +89,18 @@ def test_a_port_in_use_at_start_up_is_one_line_naming_the_option_and_the_address
     mentions = [line for line in output.splitlines() if str(port) in line and "listening on" not in line]
     assert len(mentions) == 1, output
     assert f"{option}: cannot listen on {CONTROL_IP}:{port}: Address already in use" in mentions[0]
+
+
+def test_after_quitquitquit_the_process_exits_without_interpreter_teardown(tmp_path, mesh):
+    # Python's verbose mode writes "# cleanup[...]" lines while it tears the interpreter
+    # down: the slow part of an exit without a signal (twistd re-raises SIGTERM/SIGINT).
+    node = NodeProcess(tmp_path / "node", name="node-s", control_ip=CONTROL_IP, config=mesh, node="node-s",
+                       env={"PYTHONVERBOSE": "1"}).start()
+    try:
+        assert node.http("admin", "/quitquitquit", method="POST")[0] == 200
+        assert node.process.wait(20) == 0
+    finally:
+        node.kill()
+    output = node.log_path.read_text(errors="replace")
+    assert any(event["message"] == "Server Shut Down." for event in node.log_events())
+    assert "# cleanup[" not in output

@@ -7,20 +7,12 @@ import pytest_twisted
 from twisted.internet import reactor
 from twisted.internet.protocol import Factory
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import LogLevel
 from twisted.python import log as legacy_log
 
 from tests.support import close_listener, listening_socket
 from ztwisted.sockets import CannotListen, ReusePortService, is_port_noise
 from ztwisted.tap import ProxyService
-
-
-@pytest.fixture
-def logged():
-    events = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
 
 
 @pytest.fixture

@@ -382,7 +382,8 @@ class Node(service.MultiService):
             if self.listeners.get(workload.uid) is listeners:
                 del self.listeners[workload.uid]
             log.error(
-                "cannot listen for workload {name} ({network}): {error}",
+                "workload {namespace}/{name} is not served ({network} network): {error}",
+                namespace=workload.namespace,
                 name=workload.name,
                 network=listeners.network.name,
                 error=failure.getErrorMessage(),

@@ -382,7 +382,7 @@ class Node(service.MultiService):
             if self.listeners.get(workload.uid) is listeners:
                 del self.listeners[workload.uid]
             log.error(
-                "workload {namespace}/{name} is not served ({network} network): {error}",
+                "workload {namespace}/{name} is not served ({network}): {error}",
                 namespace=workload.namespace,
                 name=workload.name,
                 network=listeners.network.name,

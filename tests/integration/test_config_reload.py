@@ -263,7 +263,7 @@ def test_readiness_names_a_workload_whose_listeners_cannot_open(reloading_node):
         assert b"listeners of default/third" in body
         assert can_connect(FIRST_IP)
         (logged,) = [event["message"] for event in node.log_events() if event["level"] == "error"]
-        assert logged.startswith("workload default/third is not served (host network): ")
+        assert logged.startswith("workload default/third is not served (host): ")
         assert logged.endswith(f"cannot listen on {THIRD_IP}:15008: Address already in use")
     finally:
         close_listener(blocker)

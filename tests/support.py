@@ -54,7 +54,7 @@ def _socket_owners(inodes: set[str]) -> dict[str, str]:
             if held:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-                owners.update(dict.fromkeys(held, f"pid {pid}: {command[:80]}"))
+                owners.update(dict.fromkeys(held, f"pid {pid}: {command[:100].rstrip()}"))
         except OSError:
             continue  # the process is gone, or not ours to read
     return owners

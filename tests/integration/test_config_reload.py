@@ -242,7 +242,7 @@ def test_a_writer_that_truncates_and_writes_slowly_is_read_once_it_closes_the_fi
     with open(node.config, "w") as writer:  # truncates: the file is empty, then partial, until closed
         writer.write(first_part)
         writer.flush()
-        time.sleep(1.5)  # longer than the reload delay and the empty-file grace
+        time.sleep(0.6)  # well past the 0.1 s reload delay, well before the 2 s a silent writer gets
         assert still_open(established), "a partial file was applied"
         writer.write(whole[len(first_part):])
 

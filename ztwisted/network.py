@@ -10,11 +10,15 @@ can exclude the proxy's own traffic.
 
 from __future__ import annotations
 
-import socket
-
 from twisted.internet import defer
 
-from ztwisted.sockets import allow_accept_queue_migration, client_socket, connect_socket, listen_tcp
+from ztwisted.sockets import (
+    adopt_listening_socket,
+    allow_accept_queue_migration,
+    client_socket,
+    connect_socket,
+    listen_tcp,
+)
 
 
 class HostNetwork:
@@ -56,13 +60,8 @@ class PodNetwork:
         # Per namespace: a restarted proxy then loses none of the pod's queued connections.
         run_in_netns(self.netns, allow_accept_queue_migration, reactor=self.reactor).addErrback(lambda failure: None)
 
-        def adopt(sock: socket.socket):
-            try:
-                return self.reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
-            finally:
-                sock.close()
-
-        return listening_socket_in(self.netns, ip, port, mark=self.mark, reactor=self.reactor).addCallback(adopt)
+        listening = listening_socket_in(self.netns, ip, port, mark=self.mark, reactor=self.reactor)
+        return listening.addCallback(lambda sock: adopt_listening_socket(self.reactor, sock, factory))
 
     def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
         from ztwisted.inpod.netns import connecting_socket_in

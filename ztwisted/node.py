@@ -23,6 +23,7 @@ from ztwisted.hbone.inbound import InboundHBONE, InboundPlaintext
 from ztwisted.hbone.outbound import Outbound
 from ztwisted.model import Mesh, diff
 from ztwisted.network import HostNetwork
+from ztwisted.sockets import log_listening
 
 log = Logger()
 
@@ -54,35 +55,49 @@ class WorkloadListeners:
         self.hbone = InboundHBONE(node, workload, network)
         self.plaintext = InboundPlaintext(node, workload, network)
         self.ports = []
+        #: every listener is open (readiness reports a local workload whose listeners are not)
+        self.listening = False
         self._closed = False
         in_pod = not isinstance(network, HostNetwork)
         # A pod's namespace holds only its own addresses; its redirect rules send to them or to loopback.
         addresses = ["0.0.0.0"] if in_pod else [str(ip) for ip in workload.workload_ips]
-        self.wanted = [(ip, node.hbone_port, self.hbone.factory()) for ip in addresses]
+        self.wanted = [(ip, node.hbone_port, self.hbone.factory(), "HBONE inbound") for ip in addresses]
         if node.plaintext_port is not None:
-            self.wanted += [(ip, node.plaintext_port, self.plaintext) for ip in addresses]
+            self.wanted += [(ip, node.plaintext_port, self.plaintext, "plaintext inbound") for ip in addresses]
         if in_pod and node.pod_outbound_port is not None:
-            self.wanted.append(("0.0.0.0", node.pod_outbound_port, node.outbound.redirect_factory(source=workload)))
+            self.wanted.append(
+                ("0.0.0.0", node.pod_outbound_port, node.outbound.redirect_factory(source=workload), "redirected outbound")
+            )
 
     def start(self) -> defer.Deferred:
         """Open every listener; fails (closing the ones opened) if any cannot be opened."""
-        opening = [self.network.listen(ip, port, factory).addCallback(self._opened) for ip, port, factory in self.wanted]
+        opening = [
+            self.network.listen(ip, port, factory).addCallback(self._opened, purpose)
+            for ip, port, factory, purpose in self.wanted
+        ]
         done = defer.gatherResults(opening, consumeErrors=True)
+
+        def opened(result):
+            self.listening = not self._closed
+            return result
 
         def failed(failure):
             self.stop_listening()
             return failure.value.subFailure if isinstance(failure.value, defer.FirstError) else failure
 
-        return done.addErrback(failed)
+        return done.addCallbacks(opened, failed)
 
-    def _opened(self, port) -> None:
+    def _opened(self, port, purpose: str) -> None:
         if self._closed:
             port.stopListening()
-        else:
-            self.ports.append(port)
+            return
+        self.ports.append(port)
+        where = "" if isinstance(self.network, HostNetwork) else f" in {self.network.name}"
+        log_listening(port, f"{purpose} of {self.workload.namespace}/{self.workload.name}", where)
 
     def stop_listening(self) -> defer.Deferred:
         self._closed = True
+        self.listening = False
         ports, self.ports = self.ports, []
         return defer.gatherResults([defer.maybeDeferred(port.stopListening) for port in ports])
 
@@ -148,7 +163,7 @@ class Node(service.MultiService):
         self.coordinator = DrainCoordinator(strategies, DrainFacade(self), metrics, reactor)
         self._removed_uids: set[str] = set()
         self._local_by_ip: dict | None = None
-        self._pending: set[str] = {"listeners"}
+        self._pending: set[str] = set()
         #: callables returning what else readiness waits for (e.g. the node agent's snapshot)
         self.readiness_checks: list = []
         #: extra /config_dump sections: name -> callable returning JSON-ready data
@@ -161,7 +176,7 @@ class Node(service.MultiService):
 
     def startService(self) -> None:
         self.coordinator.attach()
-        self._start_listeners(self.local_workloads()).addBoth(lambda _: self._pending.discard("listeners"))
+        self._start_listeners(self.local_workloads())
         super().startService()
         log.info(
             "node proxy ready: {count} local workloads, drain strategies {strategies}",
@@ -327,7 +342,6 @@ class Node(service.MultiService):
         old_local = {w.uid: w for w in self.local_workloads()}
         changes = diff(self.mesh, mesh)
         self.mesh = mesh
-        self._removed_uids &= {w.uid for w in mesh.workloads}
         self._local_workloads_changed()
         if not self.running:
             return
@@ -344,13 +358,20 @@ class Node(service.MultiService):
         changed = {old.uid for old, _ in changes.changed}
         for uid, workload in old_local.items():
             if uid not in new_local and uid not in changed:
-                self.remove_pod(workload)
+                # If a later reload brings it back before its listeners are closed, they reopen then.
+                self.remove_pod(workload).addCallback(lambda _, uid=uid: self._start_listeners_for(uid))
+        # A workload the admin API removed stays removed while the file lists it; once the file
+        # drops it, adding it back serves it again.
+        self._removed_uids &= {w.uid for w in mesh.workloads}
+        self._local_workloads_changed()
         for workload in changes.removed:
             if workload.uid not in old_local:
                 self.coordinator.destination_removed(workload)
         self._start_listeners([w for uid, w in new_local.items() if uid not in self.listeners and uid not in changed])
 
     def _start_listeners_for(self, uid: str) -> None:
+        if self._stopping is not None:
+            return  # the proxy is draining: it opens nothing new
         workload = next((w for w in self.local_workloads() if w.uid == uid), None)
         if workload is not None and uid not in self.listeners:
             self._start_listeners([workload])
@@ -367,7 +388,8 @@ class Node(service.MultiService):
             if self.listeners.get(workload.uid) is listeners:
                 del self.listeners[workload.uid]
             log.error(
-                "cannot listen for workload {name} ({network}): {error}",
+                "workload {namespace}/{name} is not served ({network}): {error}",
+                namespace=workload.namespace,
                 name=workload.name,
                 network=listeners.network.name,
                 error=failure.getErrorMessage(),
@@ -380,6 +402,10 @@ class Node(service.MultiService):
 
     def readiness(self) -> list[str]:
         pending = set(self._pending)
+        for workload in self.local_workloads():
+            listeners = self.listeners.get(workload.uid)
+            if listeners is None or not listeners.listening:
+                pending.add(f"listeners of {workload.namespace}/{workload.name}")
         for check in self.readiness_checks:
             pending.update(check())
         return sorted(pending)

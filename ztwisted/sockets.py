@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import re
 import socket
 import struct
 from typing import Any
@@ -13,7 +14,10 @@ from twisted.application import strports
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.protocol import Factory
+from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+log = Logger()
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same number
 
@@ -35,19 +39,54 @@ def listening_socket(ip: str, port: int, *, reuse_port: bool = True, backlog: in
         sock.bind((ip, port))
         sock.listen(backlog)
         sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {_address(ip, port)}: {e.strerror or e}") from None
     except BaseException:
         sock.close()
         raise
     return sock
 
 
+def _address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 def listen_tcp(reactor, ip: str, port: int, factory, **options):
     """Listen on ``ip:port`` with :func:`listening_socket`; returns the IListeningPort."""
-    sock = listening_socket(ip, port, **options)
+    return adopt_listening_socket(reactor, listening_socket(ip, port, **options), factory)
+
+
+def adopt_listening_socket(reactor, sock: socket.socket, factory):
+    """Hand a listening socket to the reactor (which keeps its own duplicate); returns the IListeningPort.
+
+    The factory's "Starting factory"/"Stopping factory" lines are switched off:
+    whoever opens a listener logs one line for it, with its address and purpose.
+    """
+    quieted = factory
+    while quieted is not None:  # a TLS factory wraps the protocol's: both would log
+        quieted.noisy = False
+        quieted = getattr(quieted, "wrappedFactory", None)
     try:
         return reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
     finally:
-        sock.close()  # the reactor holds its own duplicate
+        sock.close()
+
+
+# Twisted's own line for each listening port it starts and closes; ztwisted logs its own, with the address.
+_PORT_NOISE = re.compile(r".+ starting on \d+|\(TCP Port \d+ Closed\)")
+
+
+def is_port_noise(event: dict) -> bool:
+    """Whether ``event`` is Twisted's "Site starting on 15000" or "(TCP Port 15000 Closed)" line."""
+    message = event.get("message")
+    return (
+        event.get("log_namespace") == "log_legacy"
+        and isinstance(message, tuple)
+        and len(message) == 1
+        and isinstance(message[0], str)
+        and _PORT_NOISE.fullmatch(message[0]) is not None
+    )
 
 
 def original_destination(transport) -> tuple[str, int] | None:
@@ -208,25 +247,50 @@ def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], 
 
 
 
-class ReusePortService(Service):
-    """A TCP listener service with SO_REUSEPORT (so a new process can share its port)."""
+class CannotListen(Exception):
+    """One of the proxy's own listeners cannot be opened; str() names the option and the address."""
 
-    def __init__(self, reactor, ip: str, port: int, factory, backlog: int = 1024):
+
+def log_listening(port, purpose: str, where: str = "") -> None:
+    """The one line logged for each listener the proxy opens."""
+    host = port.getHost()
+    log.info("listening on {address}{where}: {purpose}", address=_address(host.host, host.port), where=where, purpose=purpose)
+
+
+class ReusePortService(Service):
+    """A TCP listener service with SO_REUSEPORT (so a new process can share its port).
+
+    ``purpose`` and ``option`` name it in the log and in errors (e.g. "SOCKS5
+    outbound", "--socks5").
+    """
+
+    def __init__(self, reactor, ip: str, port: int, factory, backlog: int = 1024, *,
+                 purpose: str = "listener", option: str | None = None):
         self.reactor = reactor
         self.ip = ip
         self.port = port
         self.factory = factory
         self.backlog = backlog
+        self.purpose = purpose
+        self.option = option
         self.listening_port = None
 
     def privilegedStartService(self):
-        self.listening_port = listen_tcp(self.reactor, self.ip, self.port, self.factory, backlog=self.backlog)
+        self._listen()
         super().privilegedStartService()
 
     def startService(self):
-        if self.listening_port is None:
-            self.listening_port = listen_tcp(self.reactor, self.ip, self.port, self.factory, backlog=self.backlog)
+        self._listen()
         super().startService()
+
+    def _listen(self) -> None:
+        if self.listening_port is not None:
+            return
+        try:
+            self.listening_port = listen_tcp(self.reactor, self.ip, self.port, self.factory, backlog=self.backlog)
+        except OSError as e:
+            raise CannotListen(f"{self.option}: {e.strerror}" if self.option else e.strerror) from None
+        log_listening(self.listening_port, f"{self.purpose} ({self.option})" if self.option else self.purpose)
 
     def stopService(self):
         super().stopService()
@@ -235,7 +299,7 @@ class ReusePortService(Service):
             return defer.maybeDeferred(port.stopListening)
 
 
-def listener_service(description: str, factory, reactor):
+def listener_service(description: str, factory, reactor, *, purpose: str = "listener", option: str | None = None):
     """A service for an endpoint description: TCP ones get SO_REUSEPORT, others go through strports."""
     parts = description.split(":")
     if parts[0] in ("tcp", "tcp6") and len(parts) >= 2 and parts[1].isdigit():
@@ -244,7 +308,8 @@ def listener_service(description: str, factory, reactor):
         if set(options) <= known and all("=" in part for part in parts[2:]):
             default_ip = "::" if parts[0] == "tcp6" else "0.0.0.0"
             return ReusePortService(
-                reactor, options.get("interface", default_ip), int(parts[1]), factory, int(options.get("backlog", 1024))
+                reactor, options.get("interface", default_ip), int(parts[1]), factory, int(options.get("backlog", 1024)),
+                purpose=purpose, option=option,
             )
     return strports.service(description, factory, reactor=reactor)
 

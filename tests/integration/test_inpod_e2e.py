@@ -345,7 +345,7 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
 # -- 5. plaintext inbound: a client outside the mesh, captured to 15006 in pod B ---------------------
 
 
-@pytest.mark.parametrize("netns_prefix", ["ztw15-"])
+@pytest.mark.parametrize("netns_prefix", [f"{NETNS_PREFIX}out-"])
 def test_plaintext_inbound_from_outside_the_mesh_goes_through_15006_in_pod_b(network, nodes, echo_b, apps):
     pod_b = network.pods["b"]
     outside = network.add_pod("out", OUTSIDE_IP, "uid-outside", "outside")  # not in the mesh file: no proxy

@@ -15,7 +15,6 @@ import pytest
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import globalLogPublisher
 
 from ztwisted.ca import CertificateAuthority
 from ztwisted.drain.coordinator import DrainCoordinator
@@ -417,14 +416,6 @@ def metrics():
 @pytest.fixture
 def journal():
     return []
-
-
-@pytest.fixture
-def logged():
-    events = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
 
 
 def coordinator_for(strategies, metrics, clock, facade=None):

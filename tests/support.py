@@ -12,6 +12,53 @@ import threading
 import time
 from collections.abc import Callable
 
+#: Integration and interop tests put every address they use in 127.<TEST_NET>.0.0/16, so runs
+#: with different ZTWISTED_TEST_NET values share a machine. The default is a range that the
+#: README's demo (the example mesh on 127.0.x.x, its VIP 127.10.0.1, the proxy's 127.0.0.1
+#: ports) never uses: a demo left running does not disturb the suite.
+DEFAULT_TEST_NET = 100
+TEST_NET = int(os.environ.get("ZTWISTED_TEST_NET", DEFAULT_TEST_NET))
+
+
+def listeners_in(net: int) -> list[str]:
+    """The TCP listeners of this network namespace in 127.<net>.0.0/16, as "ip:port (who)".
+
+    Any of them would share a test's ports (SO_REUSEPORT) or take them.
+    """
+    taken = {}
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            address, port = local.split(":")
+            ip = socket.inet_ntoa(bytes.fromhex(address)[::-1])
+            if state == "0A" and ip.startswith(f"127.{net}."):  # 0A: LISTEN
+                taken[inode] = f"{ip}:{int(port, 16)}"
+    owners = _socket_owners(set(taken)) if taken else {}
+    return sorted(f"{where} ({owners.get(inode, 'owner unknown')})" for inode, where in taken.items())
+
+
+def _socket_owners(inodes: set[str]) -> dict[str, str]:
+    """inode -> "pid N: command line" for the sockets among ``inodes`` that a process here holds."""
+    def readlink(path: str) -> str:
+        try:
+            return os.readlink(path)
+        except OSError:
+            return ""  # closed meanwhile
+
+    owners = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            held = {link[8:-1] for link in links if link.startswith("socket:[")} & inodes
+            if held:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                owners.update(dict.fromkeys(held, f"pid {pid}: {command[:100].rstrip()}"))
+        except OSError:
+            continue  # the process is gone, or not ours to read
+    return owners
+
 
 class EchoServer:
     """A TCP echo app: echoes as it reads, half-closes after the client's FIN."""

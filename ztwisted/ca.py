@@ -274,12 +274,29 @@ class CertificateAuthority:
                 f"{self.ca_cert.not_valid_after_utc.isoformat()}"
             )
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
+        cert = self._sign_leaf(key.public_key(), [x509.UniformResourceIdentifier(str(identity))], not_after, now)
+        return IssuedCertificate(
+            identity=identity,
+            key_pem=key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ),
+            cert_pem=cert.public_bytes(serialization.Encoding.PEM),
+            chain_pem=self.chain_pem,
+            not_before=cert.not_valid_before_utc,
+            not_after=cert.not_valid_after_utc,
+            roots_pem=self.roots_pem,
+            serial=cert.serial_number,
+        )
+
+    def _sign_leaf(self, public_key, sans: list[x509.GeneralName], not_after: datetime, now: datetime) -> x509.Certificate:
+        """A leaf for ``public_key`` whose only names are ``sans`` (Istio leaves have an empty subject)."""
+        return (
             x509.CertificateBuilder()
-            # Istio leaves have an empty subject; the identity is the SAN.
             .subject_name(x509.Name([]))
             .issuer_name(self.ca_cert.subject)
-            .public_key(key.public_key())
+            .public_key(public_key)
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - CLOCK_SKEW)
             .not_valid_after(not_after)
@@ -303,27 +320,26 @@ class CertificateAuthority:
                 critical=False,
             )
             # Critical because the subject is empty (RFC 5280 4.2.1.6).
-            .add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]),
-                critical=True,
-            )
+            .add_extension(x509.SubjectAlternativeName(sans), critical=True)
             .add_extension(_authority_key_id(self.ca_cert), critical=False)
             .sign(self._ca_key, _signature_hash(self._ca_key))
         )
-        return IssuedCertificate(
-            identity=identity,
-            key_pem=key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            ),
-            cert_pem=cert.public_bytes(serialization.Encoding.PEM),
-            chain_pem=self.chain_pem,
-            not_before=cert.not_valid_before_utc,
-            not_after=cert.not_valid_after_utc,
-            roots_pem=self.roots_pem,
-            serial=cert.serial_number,
-        )
+
+    # -- signing requests (the lab control plane's CA service) ------------------------
+
+    def sign_csr(self, csr: x509.CertificateSigningRequest, lifetime: timedelta, now: datetime | None = None) -> x509.Certificate:
+        """Sign a CSR's key with the names it asks for (URI, DNS and IP SANs); CAError if it is not acceptable."""
+        if not csr.is_signature_valid:
+            raise CAError("the CSR's signature does not verify")
+        try:
+            requested = csr.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            raise CAError("the CSR asks for no subjectAltName") from None
+        now = _utc(now)
+        not_after = min(now + lifetime, self.ca_cert.not_valid_after_utc)
+        if not_after <= now:
+            raise CAError(f"the CA certificate ({_describe(self.ca_cert)}) has expired")
+        return self._sign_leaf(csr.public_key(), list(requested), not_after, now)
 
 
 # -- files -------------------------------------------------------------------
@@ -602,6 +618,9 @@ class CertificateStore:
             serial=f"{issued.serial:x}",
             not_after=issued.not_after.isoformat(),
         )
+        self._notify_renewal(issued)
+
+    def _notify_renewal(self, issued: IssuedCertificate) -> None:
         for callback in list(self._subscribers):
             try:
                 callback(issued)

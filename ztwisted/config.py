@@ -51,6 +51,7 @@ from ztwisted.model import (
 __all__ = [
     "ConfigError",
     "ConfigWatcher",
+    "EmptyConfigError",
     "Problem",
     "builtin_example_path",
     "load_config",
@@ -71,6 +72,19 @@ class ConfigError(Exception):
         self.source = source
         self.problems = tuple(problems)
         super().__init__("\n".join(f"{source}: {p.path}: {p.message}" for p in self.problems))
+
+
+class EmptyConfigError(ConfigError):
+    """A file without a YAML document: empty, blank or only comments.
+
+    Never an empty mesh (that is ``workloads: []``): an empty file is far more
+    often one that a writer has truncated and not written yet.
+    """
+
+    def __init__(self, source: str) -> None:
+        super().__init__(source, [Problem(
+            "(file)", "no YAML document (the file is empty or holds only comments); "
+                      "a mesh without workloads is written `workloads: []`")])
 
 
 def builtin_example_path() -> str:
@@ -97,6 +111,8 @@ def parse_config(text: str, source: str = "<string>") -> Mesh:
         data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ConfigError(source, [_yaml_problem(e)]) from None
+    if data is None:
+        raise EmptyConfigError(source)
     reader = _Reader()
     mesh = reader.mesh(data)
     if reader.problems:
@@ -427,8 +443,6 @@ class _Reader:
     # the format
 
     def mesh(self, data: Any) -> Mesh | None:
-        if data is None:
-            return Mesh()
         if isinstance(data, list):
             self.problem("(top level)", "expected a mapping with workloads, services and policies, "
                                         "got a list (the old ztunnel format that listed workloads only)")
@@ -575,21 +589,32 @@ class ConfigWatcher:
     """Reload a config file when it changes on disk.
 
     Watches the file's directory (editors replace files by rename, which a
-    watch on the file itself would miss), waits `delay` seconds for a burst of
-    events to settle, then parses. A good file that differs from the last good
-    one goes to `on_change(mesh)`; a bad one goes to `on_error(ConfigError)`
-    and `current` keeps the last good mesh.
+    watch on the file itself would miss). A good file that differs from the
+    last good one goes to `on_change(mesh)`; a bad one goes to
+    `on_error(ConfigError)` and `current` keeps the last good mesh.
+
+    A writer that truncates the file and then writes it (`cat > file`, many
+    editors' "save") leaves it empty or half written until it closes it: a
+    read in between would apply part of a configuration, or none. So the file
+    is read `delay` seconds after a writer closed it (IN_CLOSE_WRITE) or a
+    finished file was renamed over it (IN_MOVED_TO); while a writer still has
+    it open (IN_CREATE, IN_MODIFY), only after `writer_timeout` seconds
+    without events. A file without a YAML document is read once more
+    `empty_grace` seconds later (or at the writer's next event) before it is
+    reported as an error.
     """
 
-    # IN_MODIFY only postpones the reload while a writer is still writing.
-    _MASK = inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO | inotify.IN_CREATE | inotify.IN_MODIFY
     # A Kubernetes ConfigMap volume updates `name -> ..data/name` by renaming
     # the `..data` symlink: that rename is the only event such an update makes.
     _CONFIGMAP_LINK = b"..data"
+    _WRITING = inotify.IN_CREATE | inotify.IN_MODIFY
+    _WRITTEN = inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO
+    _MASK = _WRITING | _WRITTEN
 
     def __init__(self, path: str | os.PathLike[str], on_change: Callable[[Mesh], Any],
                  on_error: Callable[[ConfigError], Any], reactor: Any = None, *,
-                 current: Mesh | None = None, delay: float = 0.1) -> None:
+                 current: Mesh | None = None, delay: float = 0.1, writer_timeout: float = 2.0,
+                 empty_grace: float = 1.0) -> None:
         if reactor is None:
             from twisted.internet import reactor
         self.path = os.fspath(path)
@@ -597,11 +622,14 @@ class ConfigWatcher:
         self.on_error = on_error
         self.current = current
         self.delay = delay
+        self.writer_timeout = writer_timeout
+        self.empty_grace = empty_grace
         self._reactor = reactor
         self._file = FilePath(os.path.abspath(self.path))
         self._name = os.fsencode(self._file.basename())
         self._notifier: inotify.INotify | None = None
         self._pending: Any = None
+        self._empty_seen = False
 
     def start(self) -> None:
         if self._notifier is not None:
@@ -616,32 +644,48 @@ class ConfigWatcher:
         self._notifier = notifier
 
     def stop(self) -> None:
-        if self._pending is not None and self._pending.active():
-            self._pending.cancel()
-        self._pending = None
+        self._cancel_pending()
         if self._notifier is not None:
             self._notifier.loseConnection()
             self._notifier = None
 
     def reload(self) -> None:
         """Parse the file now and report the outcome (also used by the timer)."""
-        if self._pending is not None and self._pending.active():
-            self._pending.cancel()
-        self._pending = None
+        self._cancel_pending()
         try:
             mesh = load_config(self.path)
-        except ConfigError as e:
+        except EmptyConfigError as e:
+            if not self._empty_seen:
+                self._empty_seen = True  # likely a writer between truncating and writing: look again
+                self._read_in(self.empty_grace)
+                return
+            self._empty_seen = False
             self.on_error(e)
             return
+        except ConfigError as e:
+            self._empty_seen = False
+            self.on_error(e)
+            return
+        self._empty_seen = False
         if mesh == self.current:
             return
         self.current = mesh
         self.on_change(mesh)
 
     def _notified(self, _ignored: Any, filepath: FilePath, mask: int) -> None:
-        if filepath.asBytesMode().basename() not in (self._name, self._CONFIGMAP_LINK):
-            return
+        name = filepath.asBytesMode().basename()
+        if name == self._name and mask & self._WRITING:
+            self._read_in(self.writer_timeout)
+        elif name in (self._name, self._CONFIGMAP_LINK) and mask & self._WRITTEN:
+            self._read_in(self.delay)
+
+    def _read_in(self, seconds: float) -> None:
         if self._pending is not None and self._pending.active():
-            self._pending.reset(self.delay)
+            self._pending.reset(seconds)
         else:
-            self._pending = self._reactor.callLater(self.delay, self.reload)
+            self._pending = self._reactor.callLater(seconds, self.reload)
+
+    def _cancel_pending(self) -> None:
+        if self._pending is not None and self._pending.active():
+            self._pending.cancel()
+        self._pending = None

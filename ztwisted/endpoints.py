@@ -22,7 +22,7 @@ from twisted.plugin import IPlugin
 from zope.interface import implementer
 
 from ztwisted.netns import Netns, listening_socket_in
-from ztwisted.sockets import adopt_listening_socket, listening_socket
+from ztwisted.sockets import CannotListen, adopt_listening_socket, listening_socket, log_listening
 
 DEFAULT_BACKLOG = 1024
 
@@ -82,10 +82,40 @@ def with_reuseport(description: str) -> str:
     return REUSEPORT_PREFIXES[kind] + colon + rest if kind in REUSEPORT_PREFIXES else description
 
 
-def listener_service(description: str, factory, reactor) -> StreamServerEndpointService:
+class ListenerService(StreamServerEndpointService):
+    """One of the proxy's node-wide listeners (``--socks5``, ``--admin``, ...), served through an endpoint.
+
+    It listens when the service starts, before twistd drops privileges. A port
+    that cannot be opened fails the start with :class:`~ztwisted.sockets.CannotListen`
+    naming the option and the address (Twisted's own service would log a
+    traceback and carry on); an open one is logged in one line with its
+    address and purpose.
+    """
+
+    def __init__(self, endpoint: IStreamServerEndpoint, factory, *, purpose: str = "listener", option: str | None = None):
+        super().__init__(endpoint, factory)
+        self.purpose = purpose
+        self.option = option
+        self.listening_port = None
+        self._raiseSynchronously = True
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except OSError as e:
+            raise CannotListen(f"{self.option}: {e.strerror}" if self.option else str(e.strerror)) from None
+        self._waitingForPort.addCallback(self._listening)
+
+    def _listening(self, port):
+        if port is not None:
+            self.listening_port = port
+            log_listening(port, f"{self.purpose} ({self.option})" if self.option else self.purpose)
+        return port
+
+
+def listener_service(
+    description: str, factory, reactor, *, purpose: str = "listener", option: str | None = None
+) -> ListenerService:
     """A service listening on an endpoint description; ``tcp:`` and ``tcp6:`` ones get SO_REUSEPORT."""
-    service = StreamServerEndpointService(serverFromString(reactor, with_reuseport(description)), factory)
-    # Listen when the service starts, before twistd drops privileges, and fail the start if the
-    # port is taken instead of logging it (what the strports module does for its own services).
-    service._raiseSynchronously = True
-    return service
+    endpoint = serverFromString(reactor, with_reuseport(description))
+    return ListenerService(endpoint, factory, purpose=purpose, option=option)

@@ -119,6 +119,8 @@ class IDrainEvents(Interface):
     are complete.
     """
 
+    stopping = Attribute("True once the proxy is stopping (draining): nothing new is opened from then on.")
+
     def pod_terminating(workload):
         """A local pod started terminating; it keeps serving."""
 

@@ -9,6 +9,7 @@ from ztwisted.hbone.inbound import InboundHBONE, InboundPlaintext
 from ztwisted.hbone.outbound import Outbound
 from ztwisted.model import Workload
 from ztwisted.network import HostNetwork, PodNetwork
+from ztwisted.sockets import log_listening
 
 
 class WorkloadListeners:
@@ -20,35 +21,49 @@ class WorkloadListeners:
         self.hbone = InboundHBONE(context, workload, network)
         self.plaintext = InboundPlaintext(context, workload, network)
         self.ports = []
+        #: every listener is open (readiness reports a local workload whose listeners are not)
+        self.listening = False
         self._closed = False
         settings = context.settings
         in_pod = not isinstance(network, HostNetwork)
         # A pod's namespace holds only its own addresses; its redirect rules send to them or to loopback.
         addresses = ["0.0.0.0"] if in_pod else [str(ip) for ip in workload.workload_ips]
-        self.wanted = [(ip, settings.hbone_port, self.hbone.factory()) for ip in addresses]
+        self.wanted = [(ip, settings.hbone_port, self.hbone.factory(), "HBONE inbound") for ip in addresses]
         if settings.plaintext_port is not None:
-            self.wanted += [(ip, settings.plaintext_port, self.plaintext) for ip in addresses]
+            self.wanted += [(ip, settings.plaintext_port, self.plaintext, "plaintext inbound") for ip in addresses]
         if in_pod and settings.pod_outbound_port is not None:
-            self.wanted.append(("0.0.0.0", settings.pod_outbound_port, outbound.redirect_factory(source=workload)))
+            self.wanted.append(
+                ("0.0.0.0", settings.pod_outbound_port, outbound.redirect_factory(source=workload), "redirected outbound")
+            )
 
     def start(self) -> defer.Deferred:
         """Open every listener; fails (closing the ones opened) if any cannot be opened."""
-        opening = [self.network.listen(ip, port, factory).addCallback(self._opened) for ip, port, factory in self.wanted]
+        opening = [
+            self.network.listen(ip, port, factory).addCallback(self._opened, purpose)
+            for ip, port, factory, purpose in self.wanted
+        ]
         done = defer.gatherResults(opening, consumeErrors=True)
+
+        def opened(result):
+            self.listening = not self._closed
+            return result
 
         def failed(failure):
             self.stop_listening()
             return failure.value.subFailure if isinstance(failure.value, defer.FirstError) else failure
 
-        return done.addErrback(failed)
+        return done.addCallbacks(opened, failed)
 
-    def _opened(self, port) -> None:
+    def _opened(self, port, purpose: str) -> None:
         if self._closed:
             port.stopListening()
-        else:
-            self.ports.append(port)
+            return
+        self.ports.append(port)
+        where = "" if isinstance(self.network, HostNetwork) else f" in {self.network.name}"
+        log_listening(port, f"{purpose} of {self.workload.namespace}/{self.workload.name}", where)
 
     def stop_listening(self) -> defer.Deferred:
         self._closed = True
+        self.listening = False
         ports, self.ports = self.ports, []
         return defer.gatherResults([defer.maybeDeferred(port.stopListening) for port in ports])

@@ -3,7 +3,9 @@
 An access-log event has namespace ``access``, the message "connection
 complete" and ztunnel's field names (``src.addr``, ``dst.hbone_addr``,
 ``bytes_sent``...). Its level is info, or error when an ``error`` is given
-(as ztunnel does).
+(as ztunnel does). Its text is the message followed by ``key=value`` for each
+field, so that any text observer (twistd's own included) shows the fields;
+the JSON observer writes the bare message and the fields as keys.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ ACCESS_FIELDS = (
 )
 
 _CORE_KEYS = ("time", "level", "scope", "message", "error")
+# An event's message without the fields its text repeats (access-log events), for the JSON observer.
+_BRIEF_KEY = "log_brief"
 # Keys a twisted.python.log (legacy) event carries that formatEvent already used.
 _LEGACY_KEYS = frozenset({"message", "format", "isError", "failure", "why", "time"})
 
@@ -63,7 +67,7 @@ def event_as_flat_dict(event: dict[str, Any]) -> dict[str, Any]:
         "time": _rfc3339(event.get("log_time")),
         "level": _level_name(event),
         "scope": event.get("log_namespace") or "-",
-        "message": formatEvent(event),
+        "message": event.get(_BRIEF_KEY) or formatEvent(event),
     }
     legacy = event.get("log_namespace") == "log_legacy" or "isError" in event
     for key, value in event.items():
@@ -109,18 +113,9 @@ def _quote(value: Any) -> str:
     return text
 
 
-def _classic_line(event: dict[str, Any]) -> str | None:
-    text = formatEventAsClassicLogText(event)
-    if text is None or event.get("log_namespace") != ACCESS_NAMESPACE:
-        return text
-    fields = " ".join(f"{key}={_quote(value)}" for key, value in event.items()
-                      if not key.startswith("log_") and value is not None)
-    return f"{text.rstrip(chr(10))} {fields}\n" if fields else text
-
-
 def text_observer(out_file: IO[str]) -> ILogObserver:
-    """Twisted's classic text lines; access-log lines also get ``key=value`` fields."""
-    return _FileObserver(out_file, _classic_line)
+    """Twisted's classic text lines (access-log events carry their fields in their text)."""
+    return _FileObserver(out_file, formatEventAsClassicLogText)
 
 
 def observer_for(fmt: str, out_file: IO[str]) -> ILogObserver:
@@ -166,5 +161,7 @@ def access_log(log: Logger, **fields: Any) -> None:
     ordered = {key: event.pop(key) for key in ACCESS_FIELDS if key in event}
     ordered.update(event)
     level = LogLevel.error if "error" in ordered else LogLevel.info
+    # Field names hold dots, which a format string cannot name: the text is rendered here.
+    text = " ".join([ACCESS_MESSAGE, *(f"{key}={_quote(value)}" for key, value in ordered.items())])
     access = Logger(namespace=ACCESS_NAMESPACE, source=log.source, observer=log.observer)
-    access.emit(level, ACCESS_MESSAGE, **ordered)
+    access.emit(level, text.replace("{", "{{").replace("}", "}}"), **{_BRIEF_KEY: ACCESS_MESSAGE}, **ordered)

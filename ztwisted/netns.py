@@ -233,8 +233,7 @@ def listening_socket_in(
 ) -> defer.Deferred[socket.socket]:
     """A bound, listening, non-blocking TCP socket inside ``netns``.
 
-    Adopt it with ``reactor.adoptStreamPort(sock.fileno(), sock.family, factory)``
-    and then close ``sock`` (the reactor keeps its own duplicate).
+    Adopt it with :func:`ztwisted.sockets.adopt_listening_socket`.
     """
     return run_in_netns(
         netns,

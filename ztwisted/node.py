@@ -29,13 +29,22 @@ class Node(service.MultiService):
         self.context = context
         self.workloads = context.workloads
         self.readiness = readiness if readiness is not None else Readiness()
-        self.readiness.pending.add("listeners")
+        self.readiness.checks.append(self.workloads_not_listening)
         self.outbound = Outbound(context)
         self.listeners: dict[str, WorkloadListeners] = {}
 
     def startService(self) -> None:
-        self.start_listeners(self.workloads.all()).addBoth(lambda _: self.readiness.pending.discard("listeners"))
+        self.start_listeners(self.workloads.all())
         super().startService()
+
+    def workloads_not_listening(self) -> list[str]:
+        """For readiness: the local workloads whose listeners are not (all) open."""
+        pending = []
+        for workload in self.workloads.all():
+            listeners = self.listeners.get(workload.uid)
+            if listeners is None or not listeners.listening:
+                pending.append(f"listeners of {workload.namespace}/{workload.name}")
+        return pending
 
     def stopService(self) -> defer.Deferred:
         """Stops the children (a drain controller among them), then certificate renewal."""
@@ -81,7 +90,8 @@ class Node(service.MultiService):
             if self.listeners.get(workload.uid) is listeners:
                 del self.listeners[workload.uid]
             log.error(
-                "cannot listen for workload {name} ({network}): {error}",
+                "workload {namespace}/{name} is not served ({network}): {error}",
+                namespace=workload.namespace,
                 name=workload.name,
                 network=listeners.network.name,
                 error=failure.getErrorMessage(),

@@ -11,7 +11,7 @@ import attrs
 class Readiness:
     """Ready once nothing is pending: the node's own conditions, plus those of other parts."""
 
-    #: what the node itself waits for ("listeners", "draining")
+    #: conditions set and cleared by their owners (the drain controller's "draining")
     pending: set[str] = attrs.field(factory=set)
     #: callables returning what else readiness waits for (e.g. the node agent's snapshot)
     checks: list[Callable[[], Iterable[str]]] = attrs.field(factory=list)

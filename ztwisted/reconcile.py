@@ -12,7 +12,11 @@ from ztwisted.node import Node
 @attrs.define
 class MeshReconciler:
     """Switches the node to a new mesh; a removed or changed local workload is a *pod removed*
-    event, a removed remote one a *destination removed* event (both raised on ``events``)."""
+    event, a removed remote one a *destination removed* event (both raised on ``events``).
+
+    While the proxy is stopping, it opens no listener: a removed workload that a
+    reload brings back, or a new one, stays closed.
+    """
 
     node: Node
     events: IDrainEvents
@@ -39,12 +43,17 @@ class MeshReconciler:
                 self.events.pod_removed(old, forget=False).addCallback(lambda _, uid=new.uid: self._restart(uid))
         for uid, workload in old_local.items():
             if uid not in new_local and uid not in changed:
-                self.events.pod_removed(workload)
-        self.node.start_listeners(
-            [w for uid, w in new_local.items() if uid not in self.node.listeners and uid not in changed]
-        )
+                # If a later reload brings it back before its listeners are closed, they reopen then.
+                self.events.pod_removed(workload).addCallback(lambda _, uid=uid: self._restart(uid))
+        workloads.end_withdrawals()
+        self._start([w for uid, w in new_local.items() if uid not in self.node.listeners and uid not in changed])
 
     def _restart(self, uid: str) -> None:
         workload = next((w for w in self.node.workloads.all() if w.uid == uid), None)
         if workload is not None and uid not in self.node.listeners:
-            self.node.start_listener(workload).addErrback(lambda failure: None)
+            self._start([workload])
+
+    def _start(self, workloads) -> None:
+        if self.events.stopping:
+            return  # the proxy is draining: it opens nothing new
+        self.node.start_listeners(workloads)

@@ -5,13 +5,17 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
+import re
 import socket
 import struct
 from typing import Any
 
 from twisted.internet import defer
 from twisted.internet.protocol import Factory
+from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+log = Logger()
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same number
 
@@ -33,18 +37,49 @@ def listening_socket(ip: str, port: int, *, reuse_port: bool = True, backlog: in
         sock.bind((ip, port))
         sock.listen(backlog)
         sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {_address(ip, port)}: {e.strerror or e}") from None
     except BaseException:
         sock.close()
         raise
     return sock
 
 
+def _address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 def adopt_listening_socket(reactor, sock: socket.socket, factory):
-    """Hand a listening socket to the reactor; returns the IListeningPort (``sock`` is closed)."""
+    """Hand a listening socket to the reactor (which keeps its own duplicate); returns the IListeningPort.
+
+    The factory's "Starting factory"/"Stopping factory" lines are switched off:
+    whoever opens a listener logs one line for it, with its address and purpose.
+    """
+    quieted = factory
+    while quieted is not None:  # a TLS factory wraps the protocol's: both would log
+        quieted.noisy = False
+        quieted = getattr(quieted, "wrappedFactory", None)
     try:
         return reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
     finally:
-        sock.close()  # the reactor holds its own duplicate
+        sock.close()
+
+
+# Twisted's own line for each listening port it starts and closes; ztwisted logs its own, with the address.
+_PORT_NOISE = re.compile(r".+ starting on \d+|\(TCP Port \d+ Closed\)")
+
+
+def is_port_noise(event: dict) -> bool:
+    """Whether ``event`` is Twisted's "Site starting on 15000" or "(TCP Port 15000 Closed)" line."""
+    message = event.get("message")
+    return (
+        event.get("log_namespace") == "log_legacy"
+        and isinstance(message, tuple)
+        and len(message) == 1
+        and isinstance(message[0], str)
+        and _PORT_NOISE.fullmatch(message[0]) is not None
+    )
 
 
 def original_destination(transport) -> tuple[str, int] | None:
@@ -203,6 +238,16 @@ def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], 
 
     return waiter.result.addCallback(adopt).addBoth(close_socket)
 
+
+class CannotListen(Exception):
+    """One of the proxy's own listeners cannot be opened; str() names the option and the address."""
+
+
+def log_listening(port, purpose: str, where: str = "") -> None:
+    """The one line logged for each listener the proxy opens."""
+    host = port.getHost()
+    address = _address(host.host, host.port) if hasattr(host, "port") else str(getattr(host, "name", host))
+    log.info("listening on {address}{where}: {purpose}", address=address, where=where, purpose=purpose)
 
 
 def allow_accept_queue_migration() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from ztwisted.model import Mesh, Workload
@@ -25,6 +27,8 @@ class LocalWorkloads:
     _networks: dict[str, PodNetwork] = attrs.field(factory=dict)
     _removed_uids: set[str] = attrs.field(factory=set)
     _by_ip: dict[str, Workload] | None = None
+    #: called whenever the local workloads may have changed (e.g. to request their certificates)
+    on_local_workloads_changed: list[Callable[[], object]] = attrs.field(factory=list)
 
     def all(self) -> tuple[Workload, ...]:
         if self.inpod:
@@ -51,22 +55,32 @@ class LocalWorkloads:
     def add_pod(self, workload: Workload, network: PodNetwork) -> None:
         self._pods[workload.uid] = workload
         self._networks[workload.uid] = network
-        self._by_ip = None
+        self._changed()
 
     def withdraw(self, workload: Workload) -> None:
         """No longer local from now on (a pod being removed); its pod network stays until :meth:`forget`."""
         self._removed_uids.add(workload.uid)
-        self._by_ip = None
+        self._changed()
 
     def forget(self, workload: Workload) -> PodNetwork | None:
         """Drop an in-pod workload; returns its network, which the caller closes."""
         if self._pods.pop(workload.uid, None) is None:
             return None
-        self._by_ip = None
+        self._changed()
         return self._networks.pop(workload.uid, None)
 
     def replace_mesh(self, mesh: Mesh) -> None:
-        """A reloaded configuration; a withdrawn workload that is still in it stays withdrawn."""
+        """A reloaded configuration (withdrawn workloads stay withdrawn until :meth:`end_withdrawals`)."""
         self.mesh = mesh
-        self._removed_uids &= {w.uid for w in mesh.workloads}
+        self._changed()
+
+    def end_withdrawals(self) -> None:
+        """A workload withdrawn while the configuration listed it (by the admin API) stays
+        withdrawn; once the configuration drops it, adding it back serves it again."""
+        self._removed_uids &= {w.uid for w in self.mesh.workloads}
+        self._changed()
+
+    def _changed(self) -> None:
         self._by_ip = None
+        for hook in self.on_local_workloads_changed:
+            hook()

@@ -1,15 +1,14 @@
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
 
-from tests.support import EchoServer, SinkServer, mesh_workload, mesh_workloads, pod_uid
+from tests.support import TEST_NET, EchoServer, SinkServer, mesh_workload, mesh_workloads, pod_uid
 from ztwisted.tools.harness import NodeProcess
 
 # Every address is in 127.<NET>.0.0/16, so separate runs can share a machine.
-NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))
+NET = TEST_NET
 CLIENT_IP = f"127.{NET}.2.1"
 SERVER_IP = f"127.{NET}.3.1"
 SINK_IP = f"127.{NET}.3.2"

@@ -1,7 +1,8 @@
 """Support for the in-pod end-to-end tests: pod namespaces on a private bridge, agents, nodes and apps.
 
 The topology lives entirely in namespaces the tests create (all named
-``zte<net>a-*``, or another prefix given to :class:`PodNetworkLab`): a "network" namespace holding a Linux bridge, and one
+``ztwtNET-*`` after ZTWISTED_TEST_NET, so parallel runs neither share nor
+remove each other's, or another prefix given to :class:`PodNetworkLab`): a "network" namespace holding a Linux bridge, and one
 namespace per pod joined to that bridge by a veth pair, with addresses in
 :data:`POD_SUBNET`, which exists only inside these namespaces. The host
 namespace's links, routes, sysctls and iptables are never touched; the
@@ -28,13 +29,13 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support import echo_until_eof, listening_socket, mesh_workload
+from tests.support import TEST_NET, echo_until_eof, listening_socket, mesh_workload
 from ztwisted.tools.harness import NodeProcess  # standard library only, as the apps below need
 from ztwisted.tools.system import cannot_set_up_network
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-#: per test network, so that parallel runs with different ZTWISTED_TEST_NET keep their namespaces apart
-NETNS_PREFIX = f"zte{int(os.environ.get('ZTWISTED_TEST_NET', '0'))}a-"
+#: namespace names are global like addresses: one run's clean-up must not remove another run's
+NETNS_PREFIX = f"ztwt{TEST_NET}-"
 BRIDGE = "br0"
 POD_SUBNET = "10.251.0.0/24"
 APP_PORT = 8080

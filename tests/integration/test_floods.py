@@ -8,7 +8,6 @@ ordinary traffic through node-a still flowing.
 from __future__ import annotations
 
 import os
-import socket
 import ssl
 import time
 
@@ -16,7 +15,7 @@ import hpack
 import pytest
 from hyperframe.frame import (
     ContinuationFrame,
-    Frame,
+    DataFrame,
     HeadersFrame,
     PingFrame,
     RstStreamFrame,
@@ -24,113 +23,29 @@ from hyperframe.frame import (
 )
 
 from tests.integration.conftest import CLIENT_IP, SERVER_IP
+from tests.integration.raw_h2 import RawClient, client_context
 from tests.support import echo_through
-from ztwisted.ca import CertificateAuthority
-from ztwisted.identity import SpiffeId
 from ztwisted.tools.harness import socks5_connect
 
 pytestmark = pytest.mark.integration
 
-CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 ECHO_HOST = "echo.default.svc.cluster.local"
 CANCEL = 0x8
+FRAME_SIZE_ERROR = 0x6
+ENHANCE_YOUR_CALM = 0xB
 RSS_GROWTH_LIMIT = 50 * 1024 * 1024
+MiB = 1024 * 1024
+# Growth below what one oversized frame would have cost: before the frame limits, the tests
+# below grew node-b by 61 MiB (4 x 16 MiB DATA) and 79 MiB (2 x 40 MiB header blocks).
+ONE_CLAIMED_FRAME = 16 * MiB
 LIMIT_METRIC = "ztwisted_hbone_limit_hits_total"
 
 
-def client_context(two_nodes, tmp_path) -> ssl.SSLContext:
-    """TLS as a mesh client: a certificate for the `client` workload from the nodes' dev CA."""
-    ca = CertificateAuthority.load_or_create_dev(two_nodes.b.state_dir)
-    issued = ca.issue(SpiffeId("cluster.local", "default", "client"))
-    cert_file, key_file = tmp_path / "client.crt", tmp_path / "client.key"
-    cert_file.write_bytes(issued.cert_pem + issued.chain_pem)
-    key_file.write_bytes(issued.key_pem)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.check_hostname = False  # identities are URI SANs; HBONE sends no SNI
-    context.load_verify_locations(cadata=issued.roots_pem.decode())
-    context.load_cert_chain(str(cert_file), str(key_file))
-    context.set_alpn_protocols(["h2"])
-    return context
-
-
-class RawClient:
-    """An HTTP/2 client made of hyperframe frames, free to misbehave."""
-
-    def __init__(self, context: ssl.SSLContext, receive_buffer: int | None = None):
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if receive_buffer is not None:
-            # Set before connecting so the advertised TCP window stays small.
-            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-        raw.settimeout(10)
-        raw.bind((CLIENT_IP, 0))
-        raw.connect((SERVER_IP, 15008))
-        self.sock = context.wrap_socket(raw)
-        assert self.sock.selected_alpn_protocol() == "h2"
-        self.encoder = hpack.Encoder()
-        self.next_stream_id = 1
-        self._buffer = b""
-        settings = SettingsFrame(0)
-        self.sock.sendall(CLIENT_PREFACE + settings.serialize())
-        # The server speaks first: its SETTINGS, which we acknowledge as a good client would.
-        while True:
-            frame = self.read_frame()
-            if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
-                break
-        self.sock.sendall(SettingsFrame(0, flags=["ACK"]).serialize())
-
-    def read_frame(self) -> Frame:
-        header = self._read_exact(9)
-        frame, length = Frame.parse_frame_header(memoryview(header))
-        frame.parse_body(memoryview(self._read_exact(length)))
-        return frame
-
-    def _read_exact(self, size: int) -> bytes:
-        while len(self._buffer) < size:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("closed by the server")
-            self._buffer += chunk
-        data, self._buffer = self._buffer[:size], self._buffer[size:]
-        return data
-
-    def headers_frames(self, headers, max_frame: int = 16384, huffman: bool = True) -> tuple[int, bytes]:
-        """A new stream's request headers, split into HEADERS + CONTINUATION frames as needed."""
-        stream_id = self.next_stream_id
-        self.next_stream_id += 2
-        block = self.encoder.encode(headers, huffman=huffman)
-        chunks = [block[i : i + max_frame] for i in range(0, len(block), max_frame)] or [b""]
-        frames = []
-        for index, chunk in enumerate(chunks):
-            last = index == len(chunks) - 1
-            flags = ["END_HEADERS"] if last else []
-            frame = HeadersFrame(stream_id, flags=flags) if index == 0 else ContinuationFrame(stream_id, flags=flags)
-            frame.data = chunk
-            frames.append(frame.serialize())
-        return stream_id, b"".join(frames)
-
-    def connect_request(self, **extra: str) -> tuple[int, bytes]:
-        return self.headers_frames([(":method", "CONNECT"), (":authority", f"{SERVER_IP}:8080"), *extra.items()])
-
-    def wait_closed(self, timeout: float) -> str:
-        """Read (and drop) whatever comes until the server closes; how it ended."""
-        self.sock.settimeout(timeout)
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if not self.sock.recv(1 << 20):
-                    return "closed"
-        except (ssl.SSLError, OSError) as e:
-            if isinstance(e, TimeoutError):
-                return "still open"
-            return f"reset ({type(e).__name__})"
-        return "still open"
-
-    def close(self):
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+def assert_told_to_calm_down_and_closed(client: RawClient) -> None:
+    """The node's GOAWAY reached the client with ENHANCE_YOUR_CALM, and the connection then ended."""
+    goaway = client.read_goaway(20)
+    assert goaway is not None and goaway.error_code == ENHANCE_YOUR_CALM, goaway
+    assert client.wait_closed(20) != "still open"
 
 
 def limit_hits(node, kind: str) -> float:
@@ -206,7 +121,7 @@ def test_rapid_reset_is_cut_off(warm, tmp_path):
                 client.sock.sendall(b"".join(batch))
         except (ssl.SSLError, OSError):
             pass
-        assert client.wait_closed(20) != "still open"
+        assert_told_to_calm_down_and_closed(client)
     finally:
         client.close()
     assert wait_for_limit_hit(nodes.b, "rapid-reset", hits_before) > hits_before
@@ -247,16 +162,84 @@ def test_oversized_headers_are_cut_off(warm, tmp_path):
         block_headers += [(f"x-filler-{i}", "v" * 1000) for i in range(100)]
         _, frames = client.headers_frames(block_headers, huffman=False)
         assert len(frames) > 64 * 1024
-        try:
-            client.sock.sendall(frames)
-        except (ssl.SSLError, OSError):
-            pass
-        assert client.wait_closed(20) != "still open"
+        send_ignoring_close(client, frames)
+        assert_told_to_calm_down_and_closed(client)
     finally:
         client.close()
     assert wait_for_limit_hit(nodes.b, "header-list-size", hits_before) > hits_before
     assert nodes.b.rss_bytes() - rss_before < RSS_GROWTH_LIMIT
     assert_still_serving(nodes)
+
+
+def send_ignoring_close(client: RawClient, data: bytes) -> None:
+    """Send what the node may stop reading halfway: it closes the connection on a limit."""
+    try:
+        client.sock.sendall(data)
+    except (ssl.SSLError, OSError):
+        pass
+
+
+def test_settings_flood_is_cut_off_before_the_transport_pauses(warm, tmp_path):
+    nodes = warm
+    hits_before = limit_hits(nodes.b, "control-frame")
+    client = RawClient(client_context(nodes, tmp_path))
+    try:
+        # 20000 SETTINGS frames at once: their 180 KB of ACKs fit in the socket buffers,
+        # so the node's transport never pauses and only a rate can see the flood.
+        send_ignoring_close(client, SettingsFrame(0).serialize() * 20_000)
+        assert_told_to_calm_down_and_closed(client)
+    finally:
+        client.close()
+    assert wait_for_limit_hit(nodes.b, "control-frame", hits_before) > hits_before
+    assert_still_serving(nodes)
+
+
+def assert_refused_unbuffered(nodes, tmp_path, kind: str, error_code: int, connections: int, oversized) -> None:
+    """``connections`` clients each send ``oversized(client)``: each gets GOAWAY ``error_code``,
+    node-b counts ``kind`` once per client and grows by less than one claimed frame."""
+    rss_before = nodes.b.rss_bytes()
+    hits_before = limit_hits(nodes.b, kind)
+    context = client_context(nodes, tmp_path)
+    clients = [RawClient(context) for _ in range(connections)]
+    try:
+        for client in clients:
+            send_ignoring_close(client, oversized(client))
+        for client in clients:
+            goaway = client.read_goaway(10)
+            assert goaway is not None and goaway.error_code == error_code, goaway
+    finally:
+        for client in clients:
+            client.close()
+    assert wait_for_limit_hit(nodes.b, kind, hits_before + connections - 1) == hits_before + connections
+    assert nodes.b.rss_bytes() - rss_before < ONE_CLAIMED_FRAME
+    assert_still_serving(nodes)
+
+
+def test_frames_over_the_maximum_frame_size_are_refused_before_they_are_buffered(warm, tmp_path):
+    """DATA frames that claim 16 MiB (the advertised maximum is 1 MiB), their bodies sent all but
+    the last byte: a node that waited for whole frames would hold 16 MiB per connection."""
+
+    def data_claiming_16_mib(client: RawClient) -> bytes:
+        stream_id, headers = client.connect_request()
+        claim = DataFrame(stream_id)
+        claim.data = b"x" * (16 * MiB - 1)
+        return headers + claim.serialize()[:-1]
+
+    assert_refused_unbuffered(warm, tmp_path, "frame-size", FRAME_SIZE_ERROR, 4, data_claiming_16_mib)
+
+
+def test_a_header_block_over_the_cap_is_refused_before_it_is_buffered(warm, tmp_path):
+    """HEADERS and 40 CONTINUATION frames of 1 MiB (each within the maximum frame size), never
+    ended: a node that waited for END_HEADERS would hold 40 MiB per connection."""
+
+    def endless_header_block(client: RawClient) -> bytes:
+        headers = HeadersFrame(client.next_stream_id)  # no END_HEADERS: the block goes on
+        headers.data = client.encoder.encode([(":method", "CONNECT"), (":authority", f"{SERVER_IP}:8080")])
+        filler = ContinuationFrame(client.next_stream_id)
+        filler.data = b"\0" * MiB
+        return headers.serialize() + filler.serialize() * 40
+
+    assert_refused_unbuffered(warm, tmp_path, "header-block-size", ENHANCE_YOUR_CALM, 2, endless_header_block)
 
 
 def test_the_raw_client_is_a_good_client_when_it_behaves(warm, tmp_path):

@@ -345,7 +345,7 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
 # -- 5. plaintext inbound: a client outside the mesh, captured to 15006 in pod B ---------------------
 
 
-@pytest.mark.parametrize("netns_prefix", [NETNS_PREFIX.replace("a-", "b-")])
+@pytest.mark.parametrize("netns_prefix", [f"{NETNS_PREFIX}out-"])
 def test_plaintext_inbound_from_outside_the_mesh_goes_through_15006_in_pod_b(network, nodes, echo_b, apps):
     pod_b = network.pods["b"]
     outside = network.add_pod("out", OUTSIDE_IP, "uid-outside", "outside")  # not in the mesh file: no proxy
@@ -396,3 +396,66 @@ def test_plaintext_inbound_from_outside_the_mesh_goes_through_15006_in_pod_b(net
     time.sleep(0.5)
     assert plaintext_opened() == 2
     assert len(events(node2, scope="access")) == 2
+
+
+# -- 5b. plaintext inbound is authorized like HBONE inbound, with no peer identity ---------------------
+
+
+def outside_policy(action: str, match: str) -> str:
+    """A Namespace-scope policy for the pods' namespace with one rule of one match."""
+    return (
+        "policies:\n"
+        f"- name: outside-{action.lower()}\n"
+        "  namespace: default\n"
+        "  scope: Namespace\n"
+        f"  action: {action}\n"
+        "  rules:\n"
+        f"  - - - {match}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        # A Deny rule on the source address matches a client without identity.
+        outside_policy("Deny", f'sourceIps: ["{OUTSIDE_IP}/32"]'),
+        # An Allow rule that needs an identity never matches one: nothing allows the client.
+        outside_policy("Allow", 'principals: ["*"]'),
+    ],
+    ids=["deny-source-ip", "allow-identity-only"],
+)
+@pytest.mark.parametrize("netns_prefix", ["ztw16-"])
+def test_plaintext_inbound_is_refused_by_policy(network, mesh, nodes, echo_b, policy):
+    mesh.write_text(mesh.read_text() + policy)
+    pod_b = network.pods["b"]
+    outside = network.add_pod("out", OUTSIDE_IP, "uid-outside", "outside")
+    node2 = nodes(2)
+    serve_pod(node2, pod_b, check_not_ready=False)
+    pod_b.redirect_inbound()
+
+    report = roundtrip(outside, POD_B_IP, APP_PORT, 10_000)
+    assert not report["exact"] and report["received"] == 0, report
+    (denied,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
+                           what="node 2's access log of the refused connection")
+    assert denied["src.addr"].startswith(f"{OUTSIDE_IP}:") and denied["dst.addr"] == f"{POD_B_IP}:{APP_PORT}", denied
+    assert denied["outcome"] == "refused" and denied["level"] == "error", denied
+    assert denied["error"] in ("denied by policy default/outside-deny", "no allow policy matched"), denied
+    assert node2.proxy.metric("istio_tcp_connections_closed_total", reporter="destination",
+                              connection_security_policy="unknown", response_flags="DENY") == 1
+
+
+@pytest.mark.parametrize("netns_prefix", ["ztw17-"])
+def test_plaintext_inbound_to_the_proxys_own_port_is_refused(network, nodes, echo_b):
+    """Traffic captured to 15006 whose original destination is the proxy's own 15008: a self-call."""
+    pod_b = network.pods["b"]
+    outside = network.add_pod("out", OUTSIDE_IP, "uid-outside", "outside")
+    node2 = nodes(2)
+    serve_pod(node2, pod_b, check_not_ready=False)
+    pod_b.redirect_inbound(app_port=15008)
+
+    report = roundtrip(outside, POD_B_IP, 15008, 1_000)
+    assert report["received"] == 0, report
+    (refused,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
+                            what="node 2's access log of the self-call")
+    assert refused["dst.addr"] == f"{POD_B_IP}:15008" and refused["outcome"] == "refused", refused
+    assert refused["error"] == "self-call: port 15008 is the proxy's own", refused

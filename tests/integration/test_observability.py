@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import CLIENT_IP, ECHO_VIP, SERVER_IP, SINK_IP
+from tests.integration.conftest import CLIENT_IP, ECHO_VIP, SERVER_IP, SINK_IP, TwoNodes
 from tests.support import ReplyAfterEofServer, echo_through, wait_until
 from ztwisted.tools.harness import socks5_connect
 
@@ -236,15 +236,37 @@ def test_one_access_log_event_per_connection_on_both_nodes(two_nodes):
     assert [e["dst.addr"] for e in inbound] == [f"{SERVER_IP}:8080", f"{SERVER_IP}:8080", f"{SERVER_IP}:8081"]
 
 
-# ztwisted/hbone/inbound.py `_tunnel_requested` logs the raw Forwarded header value as the
-# inbound "src.addr" (e.g. `for="127.0.2.1:40000"`) instead of an address. Fix: parse the
-# `for=` parameter (strip the quotes, as ztunnel's get_original_src_from_fwded does) and fall
-# back to the peer's ip:port.
-def test_inbound_access_log_source_is_an_address(two_nodes):
+def test_inbound_access_log_keeps_the_forwarded_client_apart(two_nodes):
+    """node-a's Forwarded header names the app's connection; node-b logs it as ``src.forwarded``
+    (a claim), its ``src.addr`` is node-a's own connection."""
     port = echo(two_nodes)
     closed_on_both(two_nodes)
     (event,) = wait_until(lambda: access_events(two_nodes.b, "inbound"), what="the inbound access-log event")
-    assert event["src.addr"] == f"{CLIENT_IP}:{port}"
+    assert event["src.forwarded"] == f"{CLIENT_IP}:{port}"
+    host, _, peer_port = event["src.addr"].rpartition(":")
+    assert peer_port.isdigit() and int(peer_port) != port and host.startswith("127.")
+
+
+def test_text_log_format_gives_access_lines_the_json_fields(tmp_path, echo_app):
+    nodes = TwoNodes(tmp_path)
+    nodes.b.extra_args = ("--log-format", "text")
+    nodes.start()
+    try:
+        port = echo(nodes, 10_000)
+        (line,) = wait_until(
+            lambda: [line for line in nodes.b.log_path.read_text().splitlines() if "[access#" in line],
+            what="node-b's access-log line",
+        )
+    finally:
+        nodes.stop()
+    assert "[access#info] connection complete src.addr=" in line, line
+    fields = dict(field.split("=", 1) for field in line.split(" connection complete ", 1)[1].split(" "))
+    assert fields["src.forwarded"] == f"{CLIENT_IP}:{port}"
+    assert fields["src.identity"] == CLIENT_ID and fields["dst.identity"] == ECHO_ID
+    assert fields["dst.addr"] == f"{SERVER_IP}:8080" and fields["dst.workload"] == "echo"
+    assert fields["dst.service"] == ECHO_HOST and fields["direction"] == "inbound"
+    assert (fields["bytes_sent"], fields["bytes_recv"]) == ("10000", "10000")
+    assert re.fullmatch(r"\d+ms", fields["duration"]) and fields["outcome"] == "closed"
 
 
 def test_json_log_lines_all_parse(two_nodes):

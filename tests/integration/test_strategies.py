@@ -324,6 +324,7 @@ def test_drain_strategy_help_lists_the_built_ins(tmp_path):
 def test_unknown_drain_strategy_fails_with_the_list(tmp_path):
     done = run_twistd(tmp_path, "--drain-strategy", "last-mile,no-such-thing")
     assert done.returncode != 0
-    output = done.stdout + done.stderr
-    assert "unknown drain strategy no-such-thing" in output
-    assert "installed: " + ", ".join(BUILT_IN) in output
+    assert "unknown drain strategy no-such-thing" in done.stderr
+    assert "installed: " + ", ".join(BUILT_IN) in done.stderr
+    assert len(done.stderr.splitlines()) == 1
+    assert done.stdout == "", "the error alone, without twistd's usage text"

@@ -9,7 +9,6 @@ log tails of every process it started are added to the report.
 
 from __future__ import annotations
 
-import os
 import socket
 import textwrap
 import threading
@@ -29,12 +28,12 @@ from tests.interop.peers import (
     unique_base_id,
     write_credentials,
 )
-from tests.support import EchoServer, recv_all
+from tests.support import TEST_NET, EchoServer, recv_all
 from ztwisted.ca import CertificateAuthority
 from ztwisted.identity import SpiffeId
 from ztwisted.tools.harness import NodeProcess, recv_exact
 
-NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))
+NET = TEST_NET
 ZT_CONTROL_IP = f"127.{NET}.40.254"
 ZT_CLIENT_IP = f"127.{NET}.40.1"
 ZT_ECHO_IP = f"127.{NET}.40.2"

@@ -10,9 +10,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ztwisted"
 #: modules that may enumerate a node's connections: the view, and the connections' owners
-ENUMERATE = ("view", "hbone", "h2")
+#: (xds owns its own gRPC connections to the control plane)
+ENUMERATE = ("view", "hbone", "h2", "xds")
 #: modules that may end connections: those, and the drain layer
-DRAIN = ("view", "hbone", "h2", "drain")
+DRAIN = ("view", "hbone", "h2", "xds", "drain")
 #: tools sit above the runtime and may do anything
 TOOLS = "tools"
 

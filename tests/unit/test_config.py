@@ -13,6 +13,7 @@ from ztwisted.authz import authorize
 from ztwisted.config import (
     ConfigError,
     ConfigWatcher,
+    EmptyConfigError,
     Problem,
     builtin_example_path,
     load_config,
@@ -151,9 +152,20 @@ def test_ztunnel_style_file_parses():
     assert mesh.workloads[0].network == ""
 
 
-@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "workloads:\nservices:\npolicies:\n", "{}"])
-def test_empty_files_are_an_empty_mesh(text):
+@pytest.mark.parametrize("text", ["workloads:\nservices:\npolicies:\n", "workloads: []\n", "{}"])
+def test_documents_without_entries_are_an_empty_mesh(text):
     assert parse_config(text) == Mesh()
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n"])
+def test_a_file_without_a_document_is_an_error_not_an_empty_mesh(text):
+    # Most often a file that a writer has truncated and not yet written.
+    with pytest.raises(EmptyConfigError) as raised:
+        parse_config(text, "mesh.yaml")
+    assert str(raised.value) == (
+        "mesh.yaml: (file): no YAML document (the file is empty or holds only comments); "
+        "a mesh without workloads is written `workloads: []`"
+    )
 
 
 def test_workload_defaults_and_optional_fields():
@@ -541,19 +553,80 @@ def test_watcher_ignores_other_files_and_unchanged_content(watched):
     assert recorder.changes == [] and recorder.errors == []
 
 
-def test_watcher_debounces_bursts():
+@pytest.fixture
+def clocked(tmp_path):
+    """A watcher on a real file, fed inotify events by hand, on a fake clock."""
+    path = tmp_path / "mesh.yaml"
+    path.write_text(mesh_yaml("a"))
     clock = task.Clock()
-    calls = []
-    watcher = ConfigWatcher("/nonexistent/mesh.yaml", calls.append, calls.append, clock)
-    same = FilePath(b"/nonexistent/mesh.yaml")
+    recorder = Recorder()
+    watcher = ConfigWatcher(path, recorder.on_change, recorder.on_error, clock, current=load_config(path))
+
+    def event(mask, name=b"mesh.yaml"):
+        watcher._notified(None, FilePath(os.fsencode(tmp_path)).child(name), mask)
+
+    return path, watcher, recorder, clock, event
+
+
+def test_watcher_waits_for_the_writer_to_close_the_file(clocked):
+    path, _watcher, recorder, clock, event = clocked
+    # `cat > mesh.yaml`, slowly: truncate, write half, pause, write the rest, close.
+    path.write_text(mesh_yaml("b"))  # a valid first half of what is coming
     for _ in range(3):
-        watcher._notified(None, same, inotify.IN_MODIFY)
-        clock.advance(0.05)
-    watcher._notified(None, FilePath(b"/nonexistent/other.yaml"), inotify.IN_CLOSE_WRITE)
-    assert calls == []
+        event(inotify.IN_MODIFY)
+        clock.advance(0.5)
+    event(inotify.IN_CLOSE_WRITE, b"other.yaml")
+    assert recorder.changes == [] and recorder.errors == []
+    path.write_text(mesh_yaml("b", "c"))
+    event(inotify.IN_CLOSE_WRITE)
     clock.advance(0.1)
-    assert len(calls) == 1
-    assert str(calls[0]).startswith("/nonexistent/mesh.yaml: (file): cannot read")
+    assert [names(mesh) for mesh in recorder.changes] == [["b", "c"]]
+
+
+def test_watcher_reads_a_file_its_writer_keeps_open_after_a_quiet_while(clocked):
+    path, watcher, recorder, clock, event = clocked
+    path.write_text(mesh_yaml("b"))
+    event(inotify.IN_MODIFY)
+    clock.advance(watcher.writer_timeout - 0.01)
+    assert recorder.changes == []
+    clock.advance(0.01)
+    assert [names(mesh) for mesh in recorder.changes] == [["b"]]
+
+
+def test_watcher_reports_a_file_that_stays_empty(clocked):
+    path, watcher, recorder, clock, event = clocked
+    before = watcher.current
+    path.write_text("")
+    event(inotify.IN_CLOSE_WRITE)
+    clock.advance(0.1)
+    assert recorder.errors == []  # not yet: a writer may be about to write
+    clock.advance(watcher.empty_grace)
+    assert len(recorder.errors) == 1 and isinstance(recorder.errors[0], EmptyConfigError)
+    assert recorder.changes == [] and watcher.current is before
+    assert clock.getDelayedCalls() == []
+
+
+def test_watcher_takes_an_empty_file_for_a_writer_that_has_not_written_yet(clocked):
+    path, _watcher, recorder, clock, event = clocked
+    # Truncate and close, then write in a second open (`truncate -s0 f; cat new > f`).
+    path.write_text("")
+    event(inotify.IN_CLOSE_WRITE)
+    clock.advance(0.5)
+    path.write_text(mesh_yaml("b"))
+    event(inotify.IN_MODIFY)
+    event(inotify.IN_CLOSE_WRITE)
+    clock.advance(0.1)
+    assert [names(mesh) for mesh in recorder.changes] == [["b"]]
+    assert recorder.errors == []
+
+
+def test_watcher_reports_a_missing_file(clocked):
+    path, _watcher, recorder, clock, event = clocked
+    path.unlink()
+    event(inotify.IN_MOVED_TO)
+    clock.advance(0.1)
+    assert len(recorder.errors) == 1
+    assert str(recorder.errors[0]).startswith(f"{path}: (file): cannot read")
 
 
 def test_watcher_stop_cancels_a_pending_reload():

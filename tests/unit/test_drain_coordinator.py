@@ -15,7 +15,6 @@ import pytest
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import globalLogPublisher
 
 from ztwisted.ca import CertificateAuthority, CertificateStore
 from ztwisted.context import ProxyContext
@@ -419,14 +418,6 @@ def metrics():
 @pytest.fixture
 def journal():
     return []
-
-
-@pytest.fixture
-def logged():
-    events = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
 
 
 def coordinator_for(strategies, metrics, clock, facade=None):

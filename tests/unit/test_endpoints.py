@@ -12,9 +12,11 @@ from twisted.internet import reactor
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.protocol import Factory, Protocol
 
+from tests.support import TEST_NET
 from ztwisted.endpoints import ReusePortEndpoint, listener_service, with_reuseport
+from ztwisted.sockets import CannotListen
 
-NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))
+NET = TEST_NET
 IP = f"127.{NET}.40.1"
 
 
@@ -60,9 +62,10 @@ def test_a_listener_service_fails_its_start_when_the_port_is_taken():
     taken.bind((IP, 0))
     taken.listen(1)
     try:
-        service = listener_service(f"tcp:{taken.getsockname()[1]}:interface={IP}", Factory.forProtocol(Protocol), reactor)
-        with pytest.raises(OSError) as raised:
+        port = taken.getsockname()[1]
+        service = listener_service(f"tcp:{port}:interface={IP}", Factory.forProtocol(Protocol), reactor)
+        with pytest.raises(CannotListen) as raised:
             service.privilegedStartService()
-        assert raised.value.errno == errno.EADDRINUSE
+        assert str(raised.value) == f"cannot listen on {IP}:{port}: {os.strerror(errno.EADDRINUSE)}"
     finally:
         taken.close()

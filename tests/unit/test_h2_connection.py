@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import pytest
-from hyperframe.frame import GoAwayFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
 from twisted.internet import task
 from twisted.internet.testing import StringTransport
 from twisted.test import iosim
 
 from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused, TunnelRefused
-from ztwisted.h2.goaway import CLIENT_PREFACE, MAX_STREAM_ID, GoawayFilter, encode_goaway
+from ztwisted.h2.goaway import (
+    CLIENT_PREFACE,
+    ENHANCE_YOUR_CALM,
+    FRAME_SIZE_ERROR,
+    MAX_STREAM_ID,
+    FrameTooLarge,
+    GoawayFilter,
+    HeaderBlockTooLarge,
+    encode_goaway,
+    header_block_cap,
+)
 from ztwisted.splice import TCPEnd
 
 from .h2_support import RecordingEnd, accept_and_record, parse_frames
@@ -179,7 +189,7 @@ def test_goaway_filter_cuts_goaway_out_of_any_fragmentation():
     rst.error_code = 8
     stream = CLIENT_PREFACE + ping.serialize() + encode_goaway(MAX_STREAM_ID, 0, b"bye") + rst.serialize()
     for size in (1, 2, 5, 9, 10, 17, len(stream)):
-        filt = GoawayFilter(expect_client_preface=True)
+        filt = GoawayFilter(expect_client_preface=True, max_frame_size=16384, max_header_block=65536)
         passed, goaways = b"", []
         for i in range(0, len(stream), size):
             data, found = filt.feed(stream[i : i + size])
@@ -187,6 +197,57 @@ def test_goaway_filter_cuts_goaway_out_of_any_fragmentation():
             goaways += found
         assert passed == CLIENT_PREFACE + ping.serialize() + rst.serialize()
         assert [(g.last_stream_id, g.debug_data) for g in goaways] == [(MAX_STREAM_ID, b"bye")]
+
+
+def feed_in_pieces(filt: GoawayFilter, data: bytes, size: int) -> bytes:
+    passed = b""
+    for i in range(0, len(data), size):
+        passed += filt.feed(data[i : i + size])[0]
+    return passed
+
+
+def data_frame(length: int) -> bytes:
+    frame = DataFrame(1)
+    frame.data = b"x" * length
+    return frame.serialize()
+
+
+@pytest.mark.parametrize("size", [1, 4, 9, 1000])
+def test_goaway_filter_refuses_a_frame_over_the_maximum_size_from_its_header_alone(size):
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    assert feed_in_pieces(filt, data_frame(16384), size) == data_frame(16384)
+    # Only the 9-byte header of a frame that claims 16 MiB: refused before any of its body is buffered.
+    header = data_frame(16384 + 1)[:9]
+    with pytest.raises(FrameTooLarge) as raised:
+        feed_in_pieces(filt, header, size)
+    assert (raised.value.kind, raised.value.error_code) == ("frame-size", FRAME_SIZE_ERROR)
+
+
+def header_block(stream_id: int, sizes: list[int], end: bool = True) -> list[bytes]:
+    """A header block in frames of the given sizes (HEADERS, then CONTINUATION); END_HEADERS on the last if ``end``."""
+    frames = []
+    for index, size in enumerate(sizes):
+        flags = ["END_HEADERS"] if end and index == len(sizes) - 1 else []
+        frame = HeadersFrame(stream_id, flags=flags) if index == 0 else ContinuationFrame(stream_id, flags=flags)
+        frame.data = b"h" * size
+        frames.append(frame.serialize())
+    return frames
+
+
+def test_goaway_filter_caps_a_header_block_across_continuation_frames():
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=40000)
+    fits = b"".join(header_block(1, [16384, 16384, 7232]))
+    assert filt.feed(fits)[0] == fits
+    # A new block starts the count again; its third frame's header alone goes over the cap.
+    first, second, third = header_block(3, [16384, 16384, 7233], end=False)
+    assert filt.feed(first + second)[0] == first + second
+    with pytest.raises(HeaderBlockTooLarge) as raised:
+        filt.feed(third[:9])
+    assert (raised.value.kind, raised.value.error_code) == ("header-block-size", ENHANCE_YOUR_CALM)
+
+
+def test_header_block_cap_leaves_room_above_the_header_list_size():
+    assert header_block_cap(65536) == 131072
 
 
 def test_encode_goaway_is_a_valid_frame():

@@ -14,8 +14,10 @@ import h2.connection
 import h2.errors
 import h2.events
 import h2.settings
+import hpack
 import pytest
 from hyperframe.frame import (
+    ContinuationFrame,
     DataFrame,
     Frame,
     GoAwayFrame,
@@ -39,6 +41,7 @@ PROTOCOL_ERROR = h2.errors.ErrorCodes.PROTOCOL_ERROR
 REFUSED_STREAM = h2.errors.ErrorCodes.REFUSED_STREAM
 CANCEL = h2.errors.ErrorCodes.CANCEL
 ENHANCE_YOUR_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+FRAME_SIZE_ERROR = h2.errors.ErrorCodes.FRAME_SIZE_ERROR
 AUTHORITY = "127.0.0.1:8080"
 
 
@@ -468,6 +471,17 @@ def test_keepalive_timeout_aborts_and_resets_the_streams():
 # -- limits against abusive peers ----------------------------------------------------
 
 
+def assert_closed_after_goaway(link: Link, ended_by: str) -> None:
+    """The GOAWAY written last, then a close that lets it reach the peer (TLS close_notify);
+    TCP is cut only if the peer has not closed within ``close_notify_wait``."""
+    assert link.transport.calls == ["unregisterProducer", "loseConnection"]
+    assert link.transport.value() == b"", "nothing may follow the GOAWAY"
+    link.clock.advance(link.conn.settings.close_notify_wait)
+    assert link.transport.calls[-1] == "abortConnection"
+    link.lose()
+    assert link.conn.ended_by == ended_by
+
+
 def test_ping_flood_while_the_transport_is_paused_is_cut_off():
     link = Link(client=False, settings=H2Settings.server(max_unread_control_bytes=1000))
     link.conn.pauseProducing()  # the TLS transport's buffer is full: the peer does not read
@@ -482,9 +496,73 @@ def test_ping_flood_while_the_transport_is_paused_is_cut_off():
     link.to_ours()
     assert kinds(link.from_ours()) == [("GOAWAY", 0, ENHANCE_YOUR_CALM)]
     assert link.limits == ["control-frame"]
-    assert link.transport.calls == ["abortConnection"]
-    link.lose()
-    assert link.conn.ended_by == "flood"
+    assert_closed_after_goaway(link, "flood")
+
+
+def test_settings_flood_is_cut_off_while_the_transport_still_takes_writes():
+    link = Link(client=False, settings=H2Settings.server(max_peer_control_frames_per_second=50), handler=None)
+    # The peer does not read, but its socket buffers are large: the transport is never paused.
+    # Its first SETTINGS frame, in the handshake, counts too.
+    for _ in range(49):
+        link.to_ours(SettingsFrame(0).serialize())
+    assert link.limits == [] and link.transport.calls == []
+    link.to_ours(SettingsFrame(0).serialize())
+    assert link.limits == ["control-frame"]
+    frames = kinds(link.from_ours())
+    assert frames[-1] == ("GOAWAY", 0, ENHANCE_YOUR_CALM)
+    assert_closed_after_goaway(link, "flood")
+
+
+def test_settings_and_pings_below_the_rate_are_no_flood():
+    link = Link(client=False, settings=H2Settings.server(max_peer_control_frames_per_second=50), handler=None)
+    for _ in range(4):
+        for i in range(24):  # and the handshake's SETTINGS in the first second
+            link.to_ours(SettingsFrame(0).serialize())
+            link.peer.ping(i.to_bytes(8, "big"))
+            link.to_ours()
+        link.clock.advance(1.0)
+    assert link.limits == [] and link.transport.calls == []
+    assert kinds(link.from_ours()).count(("SETTINGS-ACK",)) == 96
+
+
+def test_a_frame_over_the_maximum_frame_size_is_refused_from_its_header():
+    link = Link(client=False, settings=H2Settings.server(max_frame_size=16384), handler=None)
+    stream_id = link.peer_connect()
+    link.to_ours()
+    link.from_ours()
+    # A DATA frame header that claims 16 MiB, and no body yet: h2 would buffer it all first.
+    huge = DataFrame(stream_id)
+    huge.data = b"x" * (16 * 1024 * 1024)
+    link.conn.dataReceived(huge.serialize()[:9 + 100])
+    assert link.limits == ["frame-size"]
+    assert kinds(link.from_ours()) == [("GOAWAY", stream_id, FRAME_SIZE_ERROR)]
+    assert_closed_after_goaway(link, "protocol-error")
+    assert link.requests[0].done
+    assert link.conn.h2.incoming_buffer._data == b""
+
+
+def test_a_header_block_over_the_cap_is_refused_before_its_continuations_arrive():
+    link = Link(client=False, settings=H2Settings.server(max_frame_size=65536, max_header_list_size=16384), handler=None)
+    block = hpack.Encoder().encode([(":method", "CONNECT"), (":authority", AUTHORITY)])
+    headers = HeadersFrame(1)
+    headers.data = block
+    filler = ContinuationFrame(1)
+    filler.data = b"\0" * 40000  # never decoded: the cap (2 x 16 KiB) is hit first
+    link.conn.dataReceived(headers.serialize())
+    link.conn.dataReceived(filler.serialize()[:9])
+    assert link.limits == ["header-block-size"]
+    assert kinds(link.from_ours()) == [("GOAWAY", 0, ENHANCE_YOUR_CALM)]
+    assert_closed_after_goaway(link, "protocol-error")
+    assert link.requests == []
+
+
+def test_a_header_block_within_the_cap_is_served():
+    link = Link(client=False, settings=H2Settings.server(max_header_list_size=16384), handler=None)
+    link.peer.max_outbound_frame_size = 4096  # the peer splits its block into HEADERS + CONTINUATION
+    stream_id = link.peer.get_next_available_stream_id()
+    link.peer.send_headers(stream_id, [(":method", "CONNECT"), (":authority", AUTHORITY), ("x-big", "v" * 10000)])
+    link.to_ours()
+    assert link.limits == [] and [s.stream_id for s in link.requests] == [stream_id]
 
 
 def test_pings_from_a_peer_that_reads_are_no_flood():
@@ -517,9 +595,7 @@ def test_rapid_reset_is_cut_off():
     assert link.limits == ["rapid-reset"]
     goaways = [describe(f) for f in link.from_ours() if isinstance(f, GoAwayFrame)]
     assert goaways == [("GOAWAY", 21, ENHANCE_YOUR_CALM)]
-    assert link.transport.calls == ["abortConnection"]
-    link.lose()
-    assert link.conn.ended_by == "flood"
+    assert_closed_after_goaway(link, "flood")
 
 
 def test_rapid_reset_in_one_chunk_counts_once():
@@ -530,7 +606,7 @@ def test_rapid_reset_in_one_chunk_counts_once():
     link.to_ours()
     assert link.limits == ["rapid-reset"]
     assert len([f for f in link.from_ours() if isinstance(f, GoAwayFrame)]) == 1
-    assert link.transport.calls == ["abortConnection"]
+    assert_closed_after_goaway(link, "flood")
 
 
 def test_peer_ignoring_max_concurrent_streams_gets_the_extra_stream_refused():
@@ -572,7 +648,7 @@ def test_oversized_header_list_is_a_connection_error():
     assert link.limits == ["header-list-size"]
     frames = kinds(link.from_ours())
     assert frames[-1][0] == "GOAWAY" and frames[-1][2] == ENHANCE_YOUR_CALM
-    assert link.transport.calls == ["abortConnection"]
+    assert_closed_after_goaway(link, "protocol-error")
     assert len(link.requests) == 1
 
 

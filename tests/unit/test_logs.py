@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger, LogLevel, formatEvent, textFileLogObserver
 from twisted.logger._legacy import publishToNewObserver
 from twisted.python.log import textFromEventDict
 
@@ -114,7 +114,9 @@ def test_access_log_event_shape():
     (event,) = events
     assert event["log_namespace"] == "access"
     assert event["log_level"] is LogLevel.info
-    assert event["log_format"] == "connection complete"
+    # The text carries the fields, for any text observer (twistd's own when --log-format text).
+    assert formatEvent(event) == ("connection complete src.addr=1.2.3.4:5 src.identity=spiffe://cluster.local/ns/a/sa/b"
+                                  " direction=inbound bytes_sent=1 bytes_recv=2 duration=7ms")
     fields = [key for key in event if not key.startswith("log_")]
     assert fields == ["src.addr", "src.identity", "direction", "bytes_sent", "bytes_recv",
                       "duration"]
@@ -139,6 +141,14 @@ def test_access_log_with_error_is_error_level_and_json_keys_keep_dots():
     assert line["bytes_sent"] == 0
     assert line["duration"] == "1500ms"
     assert line["error"] == "connection refused"
+
+
+def test_access_log_text_survives_braces_and_twisteds_own_text_observer():
+    buf = io.StringIO()
+    log = Logger(namespace="x", observer=textFileLogObserver(buf))
+    access_log(log, src_addr="10.0.0.1:4000", direction="inbound", error="bad authority '{x}'")
+    assert buf.getvalue().endswith(
+        """[access#error] connection complete src.addr=10.0.0.1:4000 direction=inbound error="bad authority '{x}'"\n""")
 
 
 def test_access_log_rejects_bad_direction():

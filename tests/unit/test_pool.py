@@ -329,6 +329,18 @@ def test_connect_failure_fails_every_waiter_and_the_next_request_tries_again():
     assert result_of(retry).connection is s.net.clients[0]
 
 
+def test_a_connect_that_raises_fails_every_waiter():
+    clock = task.Clock()
+
+    def no_certificate(key):
+        raise LookupError("no certificate for the source yet")
+
+    pool = ConnectionPool(clock, no_certificate)
+    tunnels = [pool.open_tunnel(key_to(), AUTHORITY) for _ in range(2)]
+    assert all(result_of(t).check(LookupError) for t in tunnels)
+    assert result_of(pool.open_tunnel(key_to(), AUTHORITY)).check(LookupError)
+
+
 def test_connect_timeout_is_ten_seconds():
     s = Setup(manual=True)
     tunnels = [s.open() for _ in range(2)]

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import twisted.plugins
 from twisted.plugin import IPlugin, getPlugins
-from twisted.python import usage
 from zope.interface.verify import verifyObject
 
 from ztwisted.drain.registry import UnknownStrategy, describe, installed_strategies, select
@@ -134,7 +133,7 @@ def test_select_from_an_explicit_set():
 def test_the_option_defaults_to_immediate_and_rejects_unknown_names():
     options = Options()
     assert options["drain-strategy"] == "immediate"
-    with pytest.raises(usage.UsageError, match="unknown drain strategy bogus; installed: .*last-mile"):
+    with pytest.raises(SystemExit, match="unknown drain strategy bogus; installed: .*last-mile"):
         options.parseOptions(["--drain-strategy", "bogus"])
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from twisted.internet.testing import MemoryReactorClock
@@ -10,6 +11,9 @@ from twisted.python import usage
 
 from ztwisted import tap
 from ztwisted.config import builtin_example_path
+
+SOURCE = Path(__file__).parents[2]
+BUILT_IN = ("client-evict", "goaway-on-start", "gradual", "immediate", "last-mile")
 
 
 def options(tmp_path, *args):
@@ -59,10 +63,34 @@ def test_inpod_mode_marks_packets_and_uses_the_default_socket(tmp_path):
 
 
 def test_bad_values_are_usage_errors(tmp_path):
-    with pytest.raises(usage.UsageError, match="unknown drain strategy nope; installed: .*immediate"):
-        options(tmp_path, "--drain-strategy", "nope")
     with pytest.raises(usage.UsageError, match="--log-format must be json or text"):
         options(tmp_path, "--log-format", "xml")
+
+
+def test_an_unknown_drain_strategy_is_the_error_and_the_installed_names_alone(tmp_path, capsys):
+    # Not a usage error: twistd would print its whole help on stdout before the error.
+    with pytest.raises(SystemExit) as raised:
+        options(tmp_path, "--drain-strategy", "last-mil")
+    assert raised.value.code == (
+        "ztunnel: --drain-strategy: unknown drain strategy last-mil; "
+        "installed: client-evict, goaway-on-start, gradual, immediate, last-mile (--drain-strategy help describes them)"
+    )
+    assert capsys.readouterr().out == ""
+
+
+def test_drain_strategy_help_speaks_to_operators_and_points_at_the_docs(tmp_path, capsys):
+    with pytest.raises(SystemExit) as raised:
+        options(tmp_path, "--drain-strategy", "help")
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    described = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert set(described) >= set(BUILT_IN)
+    assert "seed option" not in out  # a term of the design discussion, undefined for an operator
+    assert tap.DRAINING_DOCS in out
+    for name in BUILT_IN:
+        assert described[name].split(None, 1)[1].startswith("when "), "each says when it acts, then what it does"
+        assert (SOURCE / "docs" / "strategies" / f"{name}.rst").is_file()
+    assert (SOURCE / "docs" / "draining.rst").is_file()
 
 
 def test_a_bad_configuration_stops_start_up_with_its_errors(tmp_path):

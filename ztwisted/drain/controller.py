@@ -60,6 +60,10 @@ class DrainController(service.Service):
     def clock(self):
         return self.view.clock
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping is not None
+
     def startService(self) -> None:
         self.coordinator.attach()
         super().startService()

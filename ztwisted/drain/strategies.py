@@ -53,7 +53,7 @@ class DrainStrategy:
 
 class Immediate(DrainStrategy):
     name = "immediate"
-    description = "ztunnel today: on pod removal close its listeners and connections at once, no GOAWAY"
+    description = "when a pod is removed, close its listeners and reset its connections at once (ztunnel's behaviour)"
 
     def pod_removed(self, node, workload):
         node.stop_listening(workload)
@@ -62,7 +62,7 @@ class Immediate(DrainStrategy):
 
 class GoawayOnStart(DrainStrategy):
     name = "goaway-on-start"
-    description = "seed option 1: when a pod starts terminating, graceful GOAWAY on its inbound connections"
+    description = "when a pod starts terminating, tell its clients (HTTP/2 GOAWAY) to open new tunnels elsewhere; it keeps serving"
 
     def pod_terminating(self, node, workload):
         # The pod still accepts new connections; clients reconnect on demand.
@@ -75,7 +75,7 @@ class GoawayOnStart(DrainStrategy):
 
 class LastMile(DrainStrategy):
     name = "last-mile"
-    description = "seed option 2: on pod removal (network still up) GOAWAY, finish streams, close_notify, then Ack"
+    description = "when a pod is removed, accept nothing new and let its tunnels finish (up to --pod-drain-timeout) before the node agent goes on"
 
     def pod_removed(self, node, workload):
         node.stop_listening(workload)
@@ -103,7 +103,7 @@ class ExponentialBackoff:
 
 class ClientEvict(DrainStrategy):
     name = "client-evict"
-    description = "seed option 3: retire pooled connections to removed destinations; back off failing connects"
+    description = "when a remote workload goes away, stop reusing pooled connections to it; retry failing peers with backoff"
 
     def attach(self, node) -> None:
         node.connect_backoff = ExponentialBackoff(rng=node.random)
@@ -117,7 +117,7 @@ class ClientEvict(DrainStrategy):
 
 class Gradual(DrainStrategy):
     name = "gradual"
-    description = "Envoy's gradual drain: spread graceful GOAWAYs over the drain window when the proxy stops"
+    description = "when the proxy stops, spread its GOAWAYs over the drain window so clients do not all reconnect at once (as Envoy)"
 
     #: GOAWAYs are spread over this share of the drain window; the rest is for streams to finish
     spread = 0.8

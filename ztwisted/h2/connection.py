@@ -29,10 +29,11 @@ from zope.interface import implementer
 
 from ztwisted.h2.goaway import (
     MAX_STREAM_ID,
+    FrameLimitExceeded,
     GoawayFilter,
-    GoawayTooLarge,
     ReceivedGoaway,
     encode_goaway,
+    header_block_cap,
 )
 from ztwisted.interfaces import IPipeEnd
 
@@ -63,11 +64,14 @@ class H2Settings:
     max_frame_size: int = attr.ib(default=1 * MiB)
     max_concurrent_streams: int = attr.ib(default=200)
     max_header_list_size: int = attr.ib(default=64 * KiB)
+    # A received frame over max_frame_size, or a header block over
+    # goaway.header_block_cap(max_header_list_size), ends the connection as it arrives.
     keepalive_interval: float = attr.ib(default=10.0)
     keepalive_timeout: float = attr.ib(default=20.0)
     #: how long a graceful close waits for the PING that follows the first GOAWAY
     goaway_ping_wait: float = attr.ib(default=1.0)
     #: after sending close_notify, how long to wait for the peer's before closing TCP anyway
+    #: (also the bound on delivering the GOAWAY that ends a connection after an error)
     close_notify_wait: float = attr.ib(default=1.0)
     #: a TLS handshake that has not completed by then is aborted
     handshake_timeout: float = attr.ib(default=10.0)
@@ -78,6 +82,9 @@ class H2Settings:
     max_unread_control_bytes: int = attr.ib(default=1 * MiB)
     #: streams the peer may reset per second before it counts as a rapid-reset flood
     max_peer_resets_per_second: int = attr.ib(default=200)
+    #: PING and SETTINGS frames (each makes us write an ACK) the peer may send per second,
+    #: read or not, before it counts as a control-frame flood
+    max_peer_control_frames_per_second: int = attr.ib(default=1000)
 
     @classmethod
     def server(cls, **overrides) -> H2Settings:
@@ -343,7 +350,11 @@ class HBONEConnection(Protocol):
                 validate_inbound_headers=True,
             )
         )
-        self._goaway_filter = GoawayFilter(expect_client_preface=not client)
+        self._goaway_filter = GoawayFilter(
+            expect_client_preface=not client,
+            max_frame_size=self.settings.max_frame_size,
+            max_header_block=header_block_cap(self.settings.max_header_list_size),
+        )
         self.streams: dict[int, Stream] = {}
         self.peer_identity = None
         self.ready: defer.Deferred = defer.Deferred()
@@ -365,8 +376,8 @@ class HBONEConnection(Protocol):
         self._idle_timer = None
         self._close_notify_timer = None
         self._unread_control_bytes = 0
-        self._reset_window_start = 0.0
-        self._resets_in_window = 0
+        self._peer_resets = _PerSecond(self.settings.max_peer_resets_per_second)
+        self._peer_control_frames = _PerSecond(self.settings.max_peer_control_frames_per_second)
         #: one of :data:`ENDINGS`, set when the connection starts to end
         self.ended_by: str | None = None
         #: called with (kind, detail) when the peer trips a limit, for metrics
@@ -410,11 +421,14 @@ class HBONEConnection(Protocol):
             self.ready.callback(self)
 
     def dataReceived(self, data: bytes) -> None:
+        if self._closing:
+            # Closing: whatever the peer still sends is not processed (a flood stays cut off).
+            return
         self._restart_keepalive()
         try:
             data, goaways = self._goaway_filter.feed(data)
             events = self.h2.receive_data(data) if data else []
-        except (h2.exceptions.ProtocolError, GoawayTooLarge) as e:
+        except (h2.exceptions.ProtocolError, FrameLimitExceeded) as e:
             self._protocol_error(e)
             return
         for event in events:
@@ -606,19 +620,28 @@ class HBONEConnection(Protocol):
             "HTTP/2 protocol error from {peer} ({kind}): {error}", peer=self._peer_text(), kind=kind, error=exc
         )
         self._limit_hit(kind, str(exc))
-        # h2 queued a GOAWAY of its own; ours (which h2 does not track) replaces it.
-        self.h2.clear_outbound_data_buffer()
         code = getattr(exc, "error_code", None) or h2.errors.ErrorCodes.PROTOCOL_ERROR
-        self._send_goaway(self.h2.highest_inbound_stream_id, int(code))
-        self.abort_connection("protocol-error")
+        self._close_after_goaway(int(code), "protocol-error")
 
     def _flood(self, kind: str, detail: str) -> None:
         if self._closing:
             return
         self.log.warn("closing connection from {peer}: {kind} flood ({detail})", peer=self._peer_text(), kind=kind, detail=detail)
         self._limit_hit(kind, detail)
-        self._send_goaway(self.h2.highest_inbound_stream_id, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-        self.abort_connection("flood")
+        self._close_after_goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM, "flood")
+
+    def _close_after_goaway(self, error_code: int, ended_by: str) -> None:
+        """End the connection after an error so that the peer learns why: a GOAWAY with
+        ``error_code``, the streams reset locally, then TLS close_notify; a peer that does
+        not read is cut off after ``close_notify_wait``, as any close."""
+        # What h2 queued (its own GOAWAY, which it would track; the ACKs of a flood) is dropped.
+        self.h2.clear_outbound_data_buffer()
+        self._send_goaway(self.h2.highest_inbound_stream_id, error_code)
+        self.ended_by = ended_by
+        self._close_with_close_notify()
+        for stream in list(self.streams.values()):
+            # No RST_STREAM goes out once closing: the GOAWAY covers them all.
+            stream.reset(h2.errors.ErrorCodes.CANCEL, outcome=ended_by)
 
     def _limit_hit(self, kind: str, detail: str) -> None:
         if self.on_limit is not None:
@@ -638,13 +661,15 @@ class HBONEConnection(Protocol):
         self._close_with_close_notify()
 
     def _count_peer_reset(self) -> None:
-        now = self.clock.seconds()
-        if now - self._reset_window_start >= 1.0:
-            self._reset_window_start = now
-            self._resets_in_window = 0
-        self._resets_in_window += 1
-        if self._resets_in_window > self.settings.max_peer_resets_per_second:
+        if self._peer_resets.exceeded(self.clock.seconds()):
             self._flood("rapid-reset", f"more than {self.settings.max_peer_resets_per_second} stream resets in a second")
+
+    def _count_peer_control_frame(self, what: str) -> None:
+        # The unread-bytes bound only works once the transport pauses, which a peer
+        # with large socket buffers delays for seconds of full CPU; a rate does not wait.
+        if self._peer_control_frames.exceeded(self.clock.seconds()):
+            limit = self.settings.max_peer_control_frames_per_second
+            self._flood("control-frame", f"more than {limit} PING and SETTINGS frames in a second (last: {what})")
 
     # -- keepalive ------------------------------------------------------------
 
@@ -720,11 +745,16 @@ class HBONEConnection(Protocol):
                 for stream in targets:
                     stream._flush(self.h2)
         elif isinstance(event, h2.events.RemoteSettingsChanged):
+            self._count_peer_control_frame("SETTINGS")
+            if self._closing:
+                return
             # A larger INITIAL_WINDOW_SIZE opens every stream's window without
             # any WINDOW_UPDATE frame: buffered data must go out now.
             if not self._transport_paused:
                 for stream in list(self.streams.values()):
                     stream._flush(self.h2)
+        elif isinstance(event, h2.events.PingReceived):
+            self._count_peer_control_frame("PING")
         elif isinstance(event, h2.events.PingAckReceived):
             on_answer = self._pending_pings.pop(event.ping_data, None)
             if on_answer is not None:
@@ -853,7 +883,7 @@ class HBONEConnection(Protocol):
 
     def _flush_h2(self) -> None:
         data = self.h2.data_to_send()
-        if data and self._connected:
+        if data and self._connected and not self._closing:
             if self._transport_paused:
                 # Stream data is never written while paused: this is control
                 # traffic the peer provokes but does not read.
@@ -878,7 +908,26 @@ def _cancel(timer) -> None:
         timer.cancel()
 
 
+@attr.s
+class _PerSecond:
+    """Counts events in one-second windows against a limit."""
+
+    limit: int = attr.ib()
+    _window_start: float = attr.ib(default=0.0)
+    _count: int = attr.ib(default=0)
+
+    def exceeded(self, now: float) -> bool:
+        """Count one event at ``now``; whether its window now holds more than ``limit``."""
+        if now - self._window_start >= 1.0:
+            self._window_start = now
+            self._count = 0
+        self._count += 1
+        return self._count > self.limit
+
+
 def _limit_kind(exc: Exception) -> str:
+    if isinstance(exc, FrameLimitExceeded):
+        return exc.kind
     if isinstance(exc, h2.exceptions.TooManyStreamsError):
         return "max-concurrent-streams"
     if isinstance(exc, h2.exceptions.DenialOfServiceError) or "header" in str(exc).lower() and "size" in str(exc).lower():

@@ -8,7 +8,12 @@ are never produced by it: incoming ones are cut out of the byte stream here,
 outgoing ones are encoded here, and the connection keeps its own record of
 the last stream id each side will process.
 
-This module is the only place that knows about that limitation.
+This module is the only place that knows about that limitation. Because its
+filter is also the one place that sees every frame header as the bytes
+arrive, it enforces the frame-level limits there too, before ``h2`` buffers a
+frame whole: a frame longer than the advertised SETTINGS_MAX_FRAME_SIZE, and
+a header block (HEADERS or PUSH_PROMISE and its CONTINUATION frames) longer
+than a cap.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ import attr
 from hyperframe.frame import GoAwayFrame
 
 FRAME_HEADER_LENGTH = 9
+HEADERS_FRAME_TYPE = 0x01
+PUSH_PROMISE_FRAME_TYPE = 0x05
 GOAWAY_FRAME_TYPE = 0x07
+CONTINUATION_FRAME_TYPE = 0x09
+END_HEADERS_FLAG = 0x04
+PROTOCOL_ERROR = 0x1
+FRAME_SIZE_ERROR = 0x6
+ENHANCE_YOUR_CALM = 0xB
 MAX_STREAM_ID = 2**31 - 1
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -28,8 +40,45 @@ CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MAX_GOAWAY_PAYLOAD = 16 * 1024
 
 
-class GoawayTooLarge(Exception):
+class FrameLimitExceeded(Exception):
+    """The peer broke a frame-level limit: a connection error.
+
+    ``kind`` names the limit in ``ztwisted_hbone_limit_hits_total``;
+    ``error_code`` is the one the GOAWAY carries.
+    """
+
+    kind = "protocol-error"
+    error_code = PROTOCOL_ERROR
+
+
+class GoawayTooLarge(FrameLimitExceeded):
     """The peer sent a GOAWAY frame with an unreasonably large payload."""
+
+
+class FrameTooLarge(FrameLimitExceeded):
+    """A frame longer than the SETTINGS_MAX_FRAME_SIZE we advertised (RFC 9113 section 4.2)."""
+
+    kind = "frame-size"
+    error_code = FRAME_SIZE_ERROR
+
+
+class HeaderBlockTooLarge(FrameLimitExceeded):
+    """A header block (HEADERS or PUSH_PROMISE plus CONTINUATION frames) longer than the cap."""
+
+    kind = "header-block-size"
+    error_code = ENHANCE_YOUR_CALM
+
+
+def header_block_cap(max_header_list_size: int) -> int:
+    """The longest header block accepted, from the advertised SETTINGS_MAX_HEADER_LIST_SIZE.
+
+    An HPACK-encoded block is no longer than the header list it decodes to
+    (a literal costs its strings plus a few octets, the list size counts 32
+    octets more per field; an index costs one or two), so twice the list size
+    leaves room for padding and a clumsy encoder and still stops a block that
+    could only be refused once decoded.
+    """
+    return 2 * max_header_list_size
 
 
 @attr.s(frozen=True, slots=True)
@@ -52,13 +101,20 @@ class GoawayFilter:
 
     Only frame headers are parsed; every other byte is passed on to ``h2``
     at once (a partial frame too: ``h2`` buffers it), so the cost is one
-    header parse per frame.
+    header parse per frame. Each frame header is checked against
+    ``max_frame_size`` and the header block it belongs to against
+    ``max_header_block`` (:class:`FrameLimitExceeded` is raised), so ``h2``
+    never buffers more than one frame of at most ``max_frame_size`` bytes.
     """
 
-    def __init__(self, expect_client_preface: bool) -> None:
+    def __init__(self, expect_client_preface: bool, max_frame_size: int, max_header_block: int) -> None:
         self._preface_left = len(CLIENT_PREFACE) if expect_client_preface else 0
+        self._max_frame_size = max_frame_size
+        self._max_header_block = max_header_block
         self._skip = 0  # bytes of the current non-GOAWAY frame body still to pass on
         self._pending = b""  # an incomplete frame header, or an incomplete GOAWAY frame
+        self._header_block = 0  # length of the header block so far
+        self._in_header_block = False  # END_HEADERS not seen yet
 
     def feed(self, data: bytes) -> tuple[bytes, list[ReceivedGoaway]]:
         """Return the bytes for ``h2`` and the GOAWAY frames found in ``data``."""
@@ -86,6 +142,7 @@ class GoawayFilter:
                 break
             length = int.from_bytes(view[position : position + 3], "big")
             frame_type = view[position + 3]
+            self._check_limits(length, frame_type, view[position + 4])
             if frame_type != GOAWAY_FRAME_TYPE:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
@@ -103,6 +160,20 @@ class GoawayFilter:
         if position < end:
             self._pending = bytes(view[position:])
         return b"".join(passed), goaways
+
+    def _check_limits(self, length: int, frame_type: int, flags: int) -> None:
+        if length > self._max_frame_size:
+            raise FrameTooLarge(f"frame of type {frame_type} with {length} bytes, over the maximum frame size {self._max_frame_size}")
+        if frame_type in (HEADERS_FRAME_TYPE, PUSH_PROMISE_FRAME_TYPE):
+            self._header_block = length
+        elif frame_type == CONTINUATION_FRAME_TYPE and self._in_header_block:
+            self._header_block += length
+        else:
+            # Any other frame inside a header block is h2's protocol error to raise.
+            return
+        self._in_header_block = not flags & END_HEADERS_FLAG
+        if self._header_block > self._max_header_block:
+            raise HeaderBlockTooLarge(f"header block of {self._header_block} bytes so far, over the cap of {self._max_header_block}")
 
 
 def _decode_goaway_payload(payload: bytes) -> ReceivedGoaway:

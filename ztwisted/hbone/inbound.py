@@ -9,7 +9,7 @@ from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from ztwisted.authz import authorize
-from ztwisted.context import ProxyContext
+from ztwisted.context import NodeSettings, ProxyContext
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
@@ -37,6 +37,22 @@ def parse_authority(authority: str) -> tuple[str, int] | None:
     return str(ip), port
 
 
+#: ztunnel's own ports (15001 redirected outbound, 15006 plaintext inbound, 15008
+#: HBONE, 15080 SOCKS5): as ztunnel's ``illegal_ports``, a connection to one of them
+#: on a local workload is refused, wherever the node serves them.
+PROXY_PORTS = frozenset({15001, 15006, 15008, 15080})
+
+
+def illegal_ports(settings: NodeSettings) -> frozenset[int]:
+    """Ports no inbound connection may reach: a CONNECT to the proxy's own port would
+    nest a tunnel that reaches the app from the node's address, past source-IP rules."""
+    own = {settings.hbone_port, settings.plaintext_port, settings.pod_outbound_port}
+    return PROXY_PORTS | {port for port in own if port is not None}
+
+
+SELF_CALL = "self-call: port {port} is the proxy's own"
+
+
 def forwarded_for(header: str | None) -> str | None:
     """The ``for=`` address of a ``Forwarded`` header (RFC 7239), unquoted."""
     if not header:
@@ -58,6 +74,28 @@ def _inbound_service(mesh, workload, port: int):
     return None
 
 
+def _denial(decision) -> str:
+    """The access log's error for a denied connection: the deciding policy, or why none allowed it."""
+    return f"denied by policy {decision.policy}" if decision.policy else decision.reason
+
+
+class _InboundTLSFactory(TLSMemoryBIOFactory):
+    """Closes a connection at once while the workload has no certificate to present (one from a
+    remote CA may still be on its way), instead of failing inside the TLS setup."""
+
+    def __init__(self, server_tls: ServerTLS, wrapped_factory):
+        super().__init__(server_tls, False, wrapped_factory)
+        self._server_tls = server_tls
+
+    def buildProtocol(self, addr):
+        try:
+            self._server_tls.context()
+        except Exception as e:
+            log.info("closing the connection from {peer}: {error}", peer=f"{addr.host}:{addr.port}", error=str(e))
+            return None
+        return super().buildProtocol(addr)
+
+
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
@@ -69,7 +107,7 @@ class InboundHBONE:
         self._tls = ServerTLS(lambda: context.certificates.get(workload.identity), trust_domain=workload.trust_domain)
 
     def factory(self) -> TLSMemoryBIOFactory:
-        return TLSMemoryBIOFactory(self._tls, False, _ConnectionFactory(self))
+        return _InboundTLSFactory(self._tls, _ConnectionFactory(self))
 
     def _connection_made(self, connection: HBONEConnection) -> None:
         track_hbone_connection(self.context.metrics, connection, "inbound")
@@ -108,7 +146,9 @@ class InboundHBONE:
             ),
             **{
                 "direction": "inbound",
-                "src.addr": forwarded_for(stream.headers.get("forwarded")) or f"{peer.host}:{peer.port}",
+                # The connection's own peer: the Forwarded header is the client's claim, kept apart.
+                "src.addr": f"{peer.host}:{peer.port}",
+                "src.forwarded": forwarded_for(stream.headers.get("forwarded")),
                 "src.identity": str(source_identity),
                 "dst.addr": authority,
                 "dst.service": service.hostname if service is not None else None,
@@ -126,6 +166,11 @@ class InboundHBONE:
             record.refused("-", f"{ip} is not a workload served here")
             stream.refuse(400)
             return
+        if port in illegal_ports(self.context.settings):
+            # ztunnel answers a call to its own ports 503 (it fails to pick an upstream).
+            record.refused("-", SELF_CALL.format(port=port))
+            stream.refuse(503)
+            return
         decision = authorize(
             mesh.policies,
             source=source_identity,
@@ -135,7 +180,7 @@ class InboundHBONE:
             destination_port=port,
         )
         if not decision.allowed:
-            record.refused("DENY", f"denied by policy {decision.policy}")
+            record.refused("DENY", _denial(decision))
             stream.refuse(401)
             return
         app = TCPEnd()
@@ -221,6 +266,24 @@ class _PlaintextInbound(TCPEnd):
             ConnectionLabels.for_connection("destination", destination=workload, destination_identity=workload.identity),
             **{"direction": "inbound", "src.addr": f"{peer.host}:{peer.port}", "dst.addr": f"{ip}:{port}", "dst.workload": workload.name},
         )
+        if port in illegal_ports(context.settings):
+            record.refused("-", SELF_CALL.format(port=port))
+            self.transport.loseConnection()
+            return
+        # Istio's semantics for traffic from outside the mesh: no peer identity, so only
+        # rules that need none (source IPs, ports, ...) can match it.
+        decision = authorize(
+            context.mesh.policies,
+            source=None,
+            source_ip=ipaddress.ip_address(peer.host),
+            destination=workload,
+            destination_ip=ipaddress.ip_address(ip),
+            destination_port=port,
+        )
+        if not decision.allowed:
+            record.refused("DENY", _denial(decision))
+            self.transport.loseConnection()
+            return
         upstream = TCPEnd()
 
         def connected(_):

@@ -96,7 +96,8 @@ class ConnectionPool:
         if delay > 0:
             attempt = deferLater(self.clock, delay, self._connect, key)
         else:
-            attempt = self._connect(key)
+            # A connect that raises (no certificate for the source yet, say) must fail the waiters, not strand them.
+            attempt = defer.maybeDeferred(self._connect, key)
         attempt.addTimeout(self.connect_timeout + delay, self.clock)
 
         def connected(connection: HBONEConnection):

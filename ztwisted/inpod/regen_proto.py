@@ -1,10 +1,13 @@
-"""Regenerate ``zds_pb2.py`` from ``zds.proto`` and compare it with the committed file.
+"""Regenerate every ``*_pb2.py`` from its ``.proto`` and compare them with the committed files.
 
-    python ztwisted/inpod/regen_proto.py           # check: exit 1 if they differ
-    python ztwisted/inpod/regen_proto.py --write   # overwrite the committed file
+    python ztwisted/inpod/regen_proto.py           # check: exit 1 if any differs
+    python ztwisted/inpod/regen_proto.py --write   # overwrite the committed files
 
-Needs ``grpcio-tools`` (its bundled protoc); the generated header names the
-protobuf version, so the check also fails when a different protoc is used.
+Covers ZDS (``ztwisted/inpod/zds.proto``) and the control-plane protocols
+(``ztwisted/xds/*.proto``: workloads, authorization, delta xDS, the CA).
+Needs ``grpcio-tools`` (its bundled protoc and well-known types); the
+generated header names the protobuf version, so the check also fails when a
+different protoc is used.
 """
 
 from __future__ import annotations
@@ -15,45 +18,66 @@ import sys
 import tempfile
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PACKAGE_DIR.parent.parent
-PROTO = PACKAGE_DIR / "zds.proto"
-GENERATED = PACKAGE_DIR / "zds_pb2.py"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+REPO_ROOT = PACKAGE_DIR.parent
+PROTOS = (
+    PACKAGE_DIR / "inpod" / "zds.proto",
+    PACKAGE_DIR / "xds" / "workload.proto",
+    PACKAGE_DIR / "xds" / "authorization.proto",
+    PACKAGE_DIR / "xds" / "discovery.proto",
+    PACKAGE_DIR / "xds" / "ca.proto",
+)
 
 
-def generate(out_dir: Path) -> Path:
-    """Run protoc on zds.proto into ``out_dir``; returns the generated file's path."""
+def generated_path(proto: Path) -> Path:
+    return proto.with_name(proto.stem + "_pb2.py")
+
+
+def generate(out_dir: Path) -> dict[Path, str]:
+    """Run protoc on every proto into ``out_dir``; committed path -> freshly generated text."""
     try:
+        from importlib.resources import files
+
         from grpc_tools import protoc
     except ImportError as exc:
         raise SystemExit("regen_proto needs grpcio-tools: pip install grpcio-tools") from exc
-    relative = PROTO.relative_to(REPO_ROOT)
-    # The include root is the repository, so the descriptor records
-    # "ztwisted/inpod/zds.proto" whatever directory this runs from.
-    status = protoc.main(["protoc", f"-I{REPO_ROOT}", f"--python_out={out_dir}", str(relative)])
+    well_known = files("grpc_tools") / "_proto"
+    relative = [str(proto.relative_to(REPO_ROOT)) for proto in PROTOS]
+    # The include root is the repository, so descriptors record paths such as
+    # "ztwisted/xds/workload.proto" (and imports become package imports)
+    # whatever directory this runs from.
+    status = protoc.main(["protoc", f"-I{REPO_ROOT}", f"-I{well_known}", f"--python_out={out_dir}", *relative])
     if status != 0:
-        raise SystemExit(f"protoc failed with status {status} on {PROTO}")
-    return out_dir / relative.with_name("zds_pb2.py")
+        raise SystemExit(f"protoc failed with status {status} on {', '.join(relative)}")
+    return {
+        generated_path(proto): (out_dir / generated_path(proto).relative_to(REPO_ROOT)).read_text()
+        for proto in PROTOS
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="overwrite the committed zds_pb2.py")
+    parser.add_argument("--write", action="store_true", help="overwrite the committed *_pb2.py files")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="zds-proto-") as tmp:
-        fresh = generate(Path(tmp)).read_text()
+    with tempfile.TemporaryDirectory(prefix="ztwisted-proto-") as tmp:
+        fresh = generate(Path(tmp))
     if args.write:
-        GENERATED.write_text(fresh)
-        print(f"wrote {GENERATED}")
+        for path, text in fresh.items():
+            path.write_text(text)
+            print(f"wrote {path}")
         return 0
-    committed = GENERATED.read_text() if GENERATED.exists() else ""
-    if fresh == committed:
-        print(f"{GENERATED.name} is up to date with {PROTO.name}")
+    stale = []
+    for path, text in fresh.items():
+        committed = path.read_text() if path.exists() else ""
+        if text != committed:
+            stale.append(path)
+            sys.stdout.writelines(difflib.unified_diff(
+                committed.splitlines(keepends=True), text.splitlines(keepends=True),
+                fromfile=f"{path} (committed)", tofile="regenerated"))
+    if not stale:
+        print(f"{len(fresh)} generated modules are up to date with their .proto files")
         return 0
-    sys.stdout.writelines(difflib.unified_diff(
-        committed.splitlines(keepends=True), fresh.splitlines(keepends=True),
-        fromfile=f"{GENERATED} (committed)", tofile="regenerated"))
-    print(f"\n{GENERATED.name} differs from what {PROTO.name} generates: "
+    print(f"\n{', '.join(p.name for p in stale)} differ from what the .proto files generate: "
           "run `python ztwisted/inpod/regen_proto.py --write` and commit the result", file=sys.stderr)
     return 1
 

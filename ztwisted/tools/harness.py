@@ -91,11 +91,17 @@ class NodeProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"node {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            if any(event.get("message", "").startswith("node proxy ready") for event in self.log_events()):
+            if self._logged_ready():
                 return self
             time.sleep(0.1)
         self.kill()
         raise RuntimeError(f"node {self.name} not ready within {timeout} s:\n{self.log_tail()}")
+
+    def _logged_ready(self) -> bool:
+        """Whether the log says the node is ready, in JSON lines or (``--log-format text``) Twisted's text lines."""
+        if any(event.get("message", "").startswith("node proxy ready") for event in self.log_events()):
+            return True
+        return any("] node proxy ready" in line for line in self.log_path.read_text(errors="replace").splitlines())
 
     def http(self, listener: str, path: str, method: str = "GET") -> tuple[int, bytes]:
         port = {"admin": 15000, "metrics": 15020, "readiness": 15021}[listener]

@@ -25,8 +25,9 @@ Typical use (as root)::
 By default it runs as the README of the peer's archive says ztunnel runs
 without a cluster: ``FAKE_CA=true`` (certificates from the test root in
 ztunnel's ``src/tls/``), no XDS server, the local config file, dedicated
-proxy mode for one workload, and SOCKS5 on ``127.0.0.1:15080`` in its
-namespace. ``env`` adds or overrides variables (for example
+proxy mode for one workload (connecting to its app from its own address,
+not the client's: ``ENABLE_ORIG_SRC=false``), and SOCKS5 on
+``127.0.0.1:15080`` in its namespace. ``env`` adds or overrides variables (for example
 ``PROXY_MODE=shared`` and ``INPOD_UDS`` for in-pod mode with
 ``workload=None``).
 """
@@ -205,7 +206,9 @@ class ZtunnelPeer:
             "RUST_BACKTRACE": "1",
         }
         if self.workload is not None:
-            env.update(PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=self.workload)
+            # As root, ztunnel would otherwise connect to the app from the client's address
+            # (IP_TRANSPARENT), and the app's answers would leave the namespace by its default route.
+            env.update(PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=self.workload, ENABLE_ORIG_SRC="false")
         env.update(self.extra_env)
         return env
 

@@ -34,22 +34,38 @@ ZTWISTED_INTERVAL, ZTWISTED_TIMEOUT = 1.0, 2.0
 ZTUNNEL_INTERVAL, ZTUNNEL_TIMEOUT = 10.0, 20.0
 # Detection must come within interval + timeout; the margin is for this shared machine's load.
 MARGIN = 10.0
+# ztunnel logs every HTTP/2 frame it receives.
+H2_FRAMES_LOGGED = {"RUST_LOG": "info,h2::codec::framed_read=debug"}
 
 
 def tunnels_both_ways(network):
     """A tunnel in flight each way: ztunnel's app to echo, ztwisted's app to zpod."""
     from_ztunnel = through_ztunnel(network, ECHO_IP, APP_PORT)
     from_ztwisted = through_ztwisted(network, ZPOD_IP, APP_PORT)
-    for sock in (from_ztunnel, from_ztwisted):
-        sock.sendall(b"ping")
-        assert sock.recv(4) == b"ping"
+    echo_on(from_ztunnel, from_ztwisted)
     return from_ztunnel, from_ztwisted
 
 
+def echo_on(*sockets) -> None:
+    for sock in sockets:
+        sock.settimeout(10)
+        sock.sendall(b"ping")
+        assert sock.recv(4) == b"ping"
+
+
+def pings_received(ztunnel, ack: bool) -> int:
+    """PING frames ztunnel's h2 logged as received: PINGs (``ack=False``) or answers to its own."""
+    return len(ztunnel.log_lines("received", "Ping", f"ack: {str(ack).lower()}"))
+
+
 def test_ztwisted_finds_a_frozen_ztunnel(network, start_ztunnel, start_ztwisted):
-    ztunnel = start_ztunnel()
+    ztunnel = start_ztunnel(env=H2_FRAMES_LOGGED)
     ztwisted = start_ztwisted("--keepalive-interval", str(ZTWISTED_INTERVAL), "--keepalive-timeout", str(ZTWISTED_TIMEOUT))
     from_ztunnel, from_ztwisted = tunnels_both_ways(network)
+    # Idle past ztwisted's interval: ztunnel answers its PINGs, and the tunnels live on.
+    wait_until(lambda: pings_received(ztunnel, ack=False) >= 4, 10 * ZTWISTED_INTERVAL, "ztwisted's PINGs at ztunnel")
+    echo_on(from_ztunnel, from_ztwisted)
+    assert ztwisted.metric("ztwisted_hbone_connections_closed_total", ended_by="keepalive-timeout") == 0
 
     ztunnel.freeze()
     frozen_at = time.monotonic()
@@ -73,9 +89,12 @@ def test_ztwisted_finds_a_frozen_ztunnel(network, start_ztunnel, start_ztwisted)
 
 
 def test_ztunnel_finds_a_frozen_ztwisted(network, start_ztunnel, start_ztwisted):
-    start_ztunnel()
+    ztunnel = start_ztunnel(env=H2_FRAMES_LOGGED)
     ztwisted = start_ztwisted()
     from_ztunnel, from_ztwisted = tunnels_both_ways(network)
+    # Idle past ztunnel's interval: ztwisted answers its PINGs on both connections, the tunnels live on.
+    wait_until(lambda: pings_received(ztunnel, ack=True) >= 2, ZTUNNEL_INTERVAL + MARGIN, "ztwisted's answers to ztunnel's PINGs")
+    echo_on(from_ztunnel, from_ztwisted)
 
     ztwisted.process.send_signal(signal.SIGSTOP)
     frozen_at = time.monotonic()

@@ -60,6 +60,7 @@ def mesh_yaml(*, echo_account: str = "echo", zpod_account: str = "zpod") -> str:
         workloads:
         - uid: cluster1//v1/Pod/default/zpod
           name: zpod
+          workloadName: zpod-deploy
           namespace: default
           trustDomain: cluster.local
           serviceAccount: {zpod_account}
@@ -69,6 +70,7 @@ def mesh_yaml(*, echo_account: str = "echo", zpod_account: str = "zpod") -> str:
           services: {{"default/zpod.default.svc.cluster.local": {{80: {APP_PORT}}}}}
         - uid: cluster1//v1/Pod/default/client
           name: client
+          workloadName: client-deploy
           namespace: default
           trustDomain: cluster.local
           serviceAccount: client
@@ -78,6 +80,7 @@ def mesh_yaml(*, echo_account: str = "echo", zpod_account: str = "zpod") -> str:
           services: {{}}
         - uid: cluster1//v1/Pod/default/echo
           name: echo
+          workloadName: echo-deploy
           namespace: default
           trustDomain: cluster.local
           serviceAccount: {echo_account}

@@ -79,6 +79,23 @@ def test_100_mb_each_way_byte_exact(network, proxies, direction):
     assert count == BIG
     assert received == sent
     assert server_syns(network, direction) == 1
+    # The server side named both ends alike (the workloads' workloadName and identities), and counted
+    # every byte the client sent.
+    ztunnel, ztwisted = proxies
+    if direction == ZTUNNEL_TO_ZTWISTED:
+        server, client_workload, server_workload = ztwisted, "zpod", "echo"
+    else:
+        server, client_workload, server_workload = ztunnel, "client", "zpod"
+    labels = {
+        "reporter": "destination",
+        "source_workload": f"{client_workload}-deploy",
+        "source_principal": spiffe(client_workload),
+        "destination_workload": f"{server_workload}-deploy",
+        "destination_principal": spiffe(server_workload),
+        "connection_security_policy": "mutual_tls",
+    }
+    assert server.metric("istio_tcp_connections_opened_total", **labels) == 1
+    assert server.metric("istio_tcp_received_bytes_total", **labels) == BIG
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

@@ -23,11 +23,19 @@ import subprocess
 import textwrap
 import threading
 
+import pytest
+
 from tests.support import EchoServer, ReplyAfterEofServer
 from ztwisted.harness import socks5_connect
 from ztwisted.lab.netns import Namespaces, in_netns
 
 NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))
+#: every ztunnel test module's ``pytestmark``
+ZTUNNEL_TEST_MARKS = [
+    pytest.mark.interop,
+    pytest.mark.root,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces, veth pairs and iptables"),
+]
 ZPOD_IP = f"10.{NET}.50.1"
 CLIENT_IP = f"10.{NET}.51.1"
 ECHO_IP = f"10.{NET}.51.2"
@@ -192,21 +200,27 @@ def through_ztwisted(network: Network, host: str, port: int, timeout: float = 30
     return network.in_ztw(lambda: socks5_connect(SOCKS5, CLIENT_IP, host, port, timeout=timeout))
 
 
-def many(connect, count: int) -> list[socket.socket]:
-    """``count`` connections opened at once (a thread each), in order."""
+def in_parallel(function, count: int, timeout: float = 60.0) -> list:
+    """``function(index)`` for each index at once, a thread each: its results (or exceptions), in order."""
     results: list = [None] * count
 
-    def open_one(index: int) -> None:
+    def run(index: int) -> None:
         try:
-            results[index] = connect()
-        except Exception as e:  # noqa: BLE001 - reported below
+            results[index] = function(index)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
             results[index] = e
 
-    threads = [threading.Thread(target=open_one, args=(i,), daemon=True) for i in range(count)]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(60)
+        thread.join(timeout)
+    return results
+
+
+def many(connect, count: int) -> list[socket.socket]:
+    """``count`` connections opened at once, in order; AssertionError (and none open) if any failed."""
+    results = in_parallel(lambda index: connect(), count)
     failed = [(i, r) for i, r in enumerate(results) if not isinstance(r, socket.socket)]
     if failed:
         for r in results:

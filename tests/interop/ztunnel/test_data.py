@@ -23,7 +23,9 @@ from tests.interop.ztunnel.support import (
     REPLY_AFTER_EOF_PORT,
     ZPOD_IP,
     ZPOD_VIP,
+    ZTUNNEL_TEST_MARKS,
     ended_by,
+    in_parallel,
     many,
     mesh_yaml,
     spiffe,
@@ -38,12 +40,9 @@ from tests.support import (
     stream_and_hash,
     wait_until,
 )
+from ztwisted.harness import Socks5Refused
 
-pytestmark = [
-    pytest.mark.interop,
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces, veth pairs and iptables"),
-]
+pytestmark = ZTUNNEL_TEST_MARKS
 
 BIG = 100 * 1024 * 1024
 CONCURRENT = 200
@@ -102,19 +101,7 @@ def test_100_mb_each_way_byte_exact(network, proxies, direction):
 def test_200_concurrent_tunnels(network, proxies, direction):
     sockets = many(lambda: connect(network, direction), CONCURRENT)
     payloads = [os.urandom(SMALL) for _ in sockets]
-    results: list = [None] * CONCURRENT
-
-    def run(index: int) -> None:
-        try:
-            results[index] = echo_through(sockets[index], payloads[index])
-        except Exception as e:  # noqa: BLE001 - reported below
-            results[index] = e
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(CONCURRENT)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    results = in_parallel(lambda index: echo_through(sockets[index], payloads[index]), CONCURRENT)
     for sock in sockets:
         sock.close()
     wrong = [(i, r) for i, r in enumerate(results) if r != payloads[i]]
@@ -258,8 +245,6 @@ def test_ztwisted_refuses_ztunnel_server_with_wrong_san(network, start_ztunnel, 
     """ztwisted expects zpod to be sa/zpod-expected; ztunnel presents sa/zpod."""
     start_ztunnel()
     ztwisted = start_ztwisted(mesh=mesh_yaml(zpod_account="zpod-expected"))
-    from ztwisted.harness import Socks5Refused
-
     with pytest.raises(Socks5Refused):
         through_ztwisted(network, ZPOD_IP, APP_PORT)
     assert network.zpod_echo.connections == 0

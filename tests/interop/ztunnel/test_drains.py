@@ -28,18 +28,16 @@ from tests.interop.ztunnel.support import (
     APP_PORT,
     ECHO_IP,
     ZPOD_IP,
+    ZTUNNEL_TEST_MARKS,
     ended_by,
+    in_parallel,
     many,
     through_ztunnel,
     through_ztwisted,
 )
 from tests.support import echo_through, wait_until
 
-pytestmark = [
-    pytest.mark.interop,
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces, veth pairs and iptables"),
-]
+pytestmark = ZTUNNEL_TEST_MARKS
 
 STRATEGIES = ["immediate", "goaway-on-start", "last-mile", "client-evict", "gradual"]
 IN_FLIGHT = 3
@@ -117,11 +115,8 @@ def later_connections(network, syns) -> dict:
 def echo_at_once(network, count: int) -> None:
     """``count`` app connections through ztunnel opened at once, each echoing a little."""
     sockets = many(lambda: through_ztunnel(network, ECHO_IP, APP_PORT), count)
-    threads = [threading.Thread(target=small_echo, args=(sock,), daemon=True) for sock in sockets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(TIMEOUT)
+    failed = [r for r in in_parallel(lambda index: small_echo(sockets[index]), count) if r is not None]
+    assert not failed, failed
 
 
 def ztwisted_args(strategy: str) -> tuple[str, ...]:

@@ -15,20 +15,21 @@ a frozen peer within 30 s.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
-import pytest
-
-from tests.interop.ztunnel.support import APP_PORT, ECHO_IP, ZPOD_IP, ended_by, through_ztunnel, through_ztwisted
+from tests.interop.ztunnel.support import (
+    APP_PORT,
+    ECHO_IP,
+    ZPOD_IP,
+    ZTUNNEL_TEST_MARKS,
+    ended_by,
+    through_ztunnel,
+    through_ztwisted,
+)
 from tests.support import wait_until
 
-pytestmark = [
-    pytest.mark.interop,
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces, veth pairs and iptables"),
-]
+pytestmark = ZTUNNEL_TEST_MARKS
 
 ZTWISTED_INTERVAL, ZTWISTED_TIMEOUT = 1.0, 2.0
 ZTUNNEL_INTERVAL, ZTUNNEL_TIMEOUT = 10.0, 20.0

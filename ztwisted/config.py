@@ -271,6 +271,37 @@ def _vip(value: Any) -> tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address
         raise _Bad(f"{value!r} is not \"network/ip\" (e.g. \"/10.0.0.1\")") from None
 
 
+def _count(value: Any) -> int:
+    """ztunnel's u32."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0xFFFFFFFF:
+        raise _Bad(f"expected a whole number from 0 to 4294967295, got {_describe(value)}")
+    return value
+
+
+def _port_or_zero(value: Any) -> int:
+    return 0 if value == 0 and not isinstance(value, bool) else _port(value)
+
+
+def _optional_port(value: Any) -> int | None:
+    return None if value is None else _port_or_zero(value)
+
+
+def _nonempty_string_key(value: Any) -> str:
+    return _nonempty_string(value)
+
+
+def _network_cidr(value: Any) -> str:
+    """ztunnel's NetworkCidr: {network: ..., cidr: "10.96.0.0/16"}."""
+    if not isinstance(value, dict) or set(value) != {"network", "cidr"}:
+        raise _Bad(f"expected {{network: ..., cidr: ...}}, got {_describe(value)}")
+    _string(value["network"])
+    try:
+        ipaddress.ip_network(_string(value["cidr"]), strict=False)
+    except ValueError:
+        raise _Bad(f"{value['cidr']!r} is not a CIDR range") from None
+    return value
+
+
 def _enum(*choices: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in choices or not isinstance(value, str):
@@ -449,10 +480,10 @@ class _Reader:
         s = self.scalar
         fields = self.record(value, path, {
             "uid": _Field("uid", s(_nonempty_string)),
-            "name": _Field("name", s(_nonempty_string), required=True),
+            "name": _Field("name", s(_string)),
             "namespace": _Field("namespace", s(_identity_part("namespace")), required=True),
             "serviceAccount": _Field("service_account", s(_identity_part("service account"))),
-            "workloadIps": _Field("workload_ips", self.list_of(s(_ip_address), nonempty=True), required=True),
+            "workloadIps": _Field("workload_ips", self.list_of(s(_ip_address)), required=True),
             "protocol": _Field("protocol", s(_enum("HBONE", "TCP"))),
             "node": _Field("node", s(_string)),
             "network": _Field("network", s(_string)),
@@ -467,11 +498,18 @@ class _Reader:
             "hostname": _Field("hostname", s(_string)),
             "nativeTunnel": _Field("native_tunnel", s(_bool)),
             "authorizationPolicies": _Field("authorization_policies", self.list_of(s(_policy_key))),
-        }, unsupported=frozenset({
-            "waypoint", "networkGateway", "applicationTunnel", "networkMode", "locality", "capacity",
-        }))
+            "networkMode": _Field("network_mode", s(_enum("Standard", "HostNetwork"))),
+            # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
+            "waypoint": _Field(None, self.gateway_address),
+            "networkGateway": _Field(None, self.gateway_address),
+            "applicationTunnel": _Field(None, self.application_tunnel),
+            "locality": _Field(None, self.locality),
+            "capacity": _Field(None, s(_count)),
+        })
         if fields is None:
             return _INVALID
+        fields.pop(None, None)
+        fields.setdefault("name", "")
         if not fields.get("trust_domain"):
             fields.pop("trust_domain", None)  # empty means cluster.local
         if not fields.get("cluster_id"):
@@ -493,8 +531,77 @@ class _Reader:
             "vips": _Field("vips", self.list_of(s(_vip))),
             "ports": _Field("ports", self.map_of(_port, s(_port)), required=True),
             "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
-        }, unsupported=frozenset({"endpoints", "waypoint", "loadBalancer", "ipFamilies", "canonical"}))
-        return _INVALID if fields is None else Service(**fields)
+            "canonical": _Field("canonical", s(_bool)),
+            "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
+            "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, self.endpoint)),
+            # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
+            "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
+            "waypoint": _Field(None, self.gateway_address),
+            "weightedWaypoints": _Field(None, self.list_of(self.weighted_waypoint)),
+            "loadBalancer": _Field(None, self.load_balancer),
+            "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
+        })
+        if fields is None:
+            return _INVALID
+        fields.pop(None, None)
+        return Service(**fields)
+
+    # ztunnel's nested shapes
+
+    def endpoint(self, value: Any, path: str) -> tuple[str, Any, str] | object:
+        fields = self.record(value, path, {
+            "workloadUid": _Field("uid", self.scalar(_nonempty_string), required=True),
+            "port": _Field("ports", self.map_of(_port, self.scalar(_port)), required=True),
+            "status": _Field("status", self.scalar(_enum("Healthy", "Unhealthy")), required=True),
+        })
+        return _INVALID if fields is None else (fields["uid"], fields["ports"], fields["status"])
+
+    def gateway_address(self, value: Any, path: str) -> Any:
+        """ztunnel's GatewayAddress: a "network/ip" or "namespace/hostname" destination and a port."""
+        if value is None:
+            return None
+        fields = self.record(value, path, {
+            "destination": _Field("destination", self.scalar(_string), required=True),
+            "hboneMtlsPort": _Field("port", self.scalar(_port_or_zero), required=True),
+        })
+        return _INVALID if fields is None else fields
+
+    def weighted_waypoint(self, value: Any, path: str) -> Any:
+        fields = self.record(value, path, {
+            "destination": _Field("destination", self.gateway_address, required=True),
+            "weight": _Field("weight", self.scalar(_count), required=True),
+        })
+        return _INVALID if fields is None else fields
+
+    def application_tunnel(self, value: Any, path: str) -> Any:
+        if value is None:
+            return None
+        fields = self.record(value, path, {
+            "protocol": _Field("protocol", self.scalar(_enum("NONE", "PROXY")), required=True),
+            "port": _Field("port", self.scalar(_optional_port)),
+        })
+        return _INVALID if fields is None else fields
+
+    def locality(self, value: Any, path: str) -> Any:
+        s = self.scalar
+        fields = self.record(value, path, {
+            "region": _Field("region", s(_string), required=True),
+            "zone": _Field("zone", s(_string), required=True),
+            "subzone": _Field("subzone", s(_string), required=True),
+        })
+        return _INVALID if fields is None else fields
+
+    def load_balancer(self, value: Any, path: str) -> Any:
+        if value is None:
+            return None
+        s = self.scalar
+        fields = self.record(value, path, {
+            "routingPreferences": _Field("routing", self.list_of(
+                s(_enum("Region", "Zone", "Subzone", "Node", "Cluster", "Network"))), required=True),
+            "mode": _Field("mode", s(_enum("Standard", "Strict", "Failover", "Passthrough")), required=True),
+            "healthPolicy": _Field("health", s(_enum("OnlyHealthy", "AllowAll")), required=True),
+        })
+        return _INVALID if fields is None else fields
 
     def policy(self, value: Any, path: str) -> Policy | object:
         s = self.scalar
@@ -538,19 +645,23 @@ class _Reader:
                 self.problem(f"workloads[{i}].uid",
                              f"duplicate uid {w.uid!r}{derived}; also used by workloads[{uids[w.uid]}]")
             uids.setdefault(w.uid, i)
-            for j, ip in enumerate(w.workload_ips):
+            for j, ip in enumerate(() if w.network_mode == "HostNetwork" else w.workload_ips):
                 if ip in ips:
                     self.problem(f"workloads[{i}].workloadIps[{j}]", f"{ip} is already used by {ips[ip]}")
                 ips.setdefault(ip, f"workloads[{i}] (uid {w.uid!r})")
         service_keys: dict[str, int] = {}
+        vip_namespaces: dict[Any, set[str]] = {}  # VIP -> namespaces of the services that have it
         for i, svc in enumerate(services):
             if svc.key in service_keys:
                 self.problem(f"services[{i}]", f"duplicate service {svc.key!r} (also services[{service_keys[svc.key]}])")
             service_keys.setdefault(svc.key, i)
             for j, (_network, ip) in enumerate(svc.vips):
-                if ip in ips:
+                # Services of different namespaces may share a VIP (ztunnel picks one per client).
+                used_by_workload = ip in ips and ip not in vip_namespaces
+                if used_by_workload or svc.namespace in vip_namespaces.get(ip, ()):
                     self.problem(f"services[{i}].vips[{j}]", f"{ip} is already used by {ips[ip]}")
                 ips.setdefault(ip, f"services[{i}] ({svc.key!r})")
+                vip_namespaces.setdefault(ip, set()).add(svc.namespace)
         policy_keys: dict[str, int] = {}
         for i, p in enumerate(policies):
             if p.key in policy_keys:

@@ -117,6 +117,7 @@ class Workload:
     workload_type: str = ""
     hostname: str = ""
     native_tunnel: bool = False
+    network_mode: str = "Standard"  # "HostNetwork": its IPs are the node's, so nobody is found by them
     # "namespace/name" keys of WorkloadSelector policies that select this workload
     authorization_policies: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
 
@@ -147,11 +148,38 @@ class Service:
     vips: tuple[tuple[str, IPAddress], ...] = attrs.field(default=(), converter=_vips)
     ports: FrozenMap[int, int] = attrs.field(factory=FrozenMap, converter=_port_map)
     subject_alt_names: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    #: preferred among services sharing a hostname or VIP (see :func:`best_service`)
+    canonical: bool = False
+    visibility: str = "Public"  # "Public", or "Namespace": only clients in its namespace see it
+    # endpoints listed on the service itself: workload uid -> (service port -> target port, status)
+    endpoints: FrozenMap[str, tuple[FrozenMap[int, int], str]] = attrs.field(
+        factory=FrozenMap, converter=lambda value: FrozenMap(
+            (uid, (_port_map(ports), status)) for uid, (ports, status) in value.items()))
 
     @property
     def key(self) -> str:
         """The "namespace/hostname" key workloads use to join this service."""
         return f"{self.namespace}/{self.hostname}"
+
+    def visible_to(self, client_namespace: str | None) -> bool:
+        return client_namespace is None or self.visibility != "Namespace" or self.namespace == client_namespace
+
+
+def best_service(candidates: Iterable[Service], client_namespace: str | None = None) -> Service | None:
+    """ztunnel's choice among services that share a hostname or a VIP (``ServiceMatch``).
+
+    Services the client may not see are skipped; then one in the client's own
+    namespace wins, else the last one marked ``canonical``, else the first.
+    """
+    chosen: Service | None = None
+    for service in candidates:
+        if not service.visible_to(client_namespace):
+            continue
+        if client_namespace is not None and service.namespace == client_namespace:
+            return service
+        if service.canonical or chosen is None:
+            chosen = service
+    return chosen
 
 
 @attrs.frozen
@@ -319,8 +347,9 @@ class Mesh:
     policies: tuple[Policy, ...] = attrs.field(default=(), converter=_tuple)
     _by_uid: dict[str, Workload] = attrs.field(init=False, eq=False, repr=False, hash=False)
     _by_ip: dict[IPAddress, Workload] = attrs.field(init=False, eq=False, repr=False, hash=False)
-    _by_vip: dict[IPAddress, Service] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _by_vip: dict[IPAddress, list[Service]] = attrs.field(init=False, eq=False, repr=False, hash=False)
     _by_key: dict[str, Service] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _by_hostname: dict[str, list[Service]] = attrs.field(init=False, eq=False, repr=False, hash=False)
     _policies_by_key: dict[str, Policy] = attrs.field(init=False, eq=False, repr=False, hash=False)
 
     def __attrs_post_init__(self) -> None:
@@ -330,20 +359,27 @@ class Mesh:
             if w.uid in by_uid:
                 raise ValueError(f"duplicate workload uid {w.uid!r}")
             by_uid[w.uid] = w
+            if w.network_mode == "HostNetwork":
+                continue  # ztunnel does not index them by address either
             for ip in w.workload_ips:
                 if ip in by_ip:
                     raise ValueError(f"IP {ip} is used by workloads {by_ip[ip].uid!r} and {w.uid!r}")
                 by_ip[ip] = w
-        by_vip: dict[IPAddress, Service] = {}
+        by_vip: dict[IPAddress, list[Service]] = {}
         by_key: dict[str, Service] = {}
+        by_hostname: dict[str, list[Service]] = {}
         for s in self.services:
             if s.key in by_key:
                 raise ValueError(f"duplicate service {s.key!r}")
             by_key[s.key] = s
+            by_hostname.setdefault(s.hostname, []).append(s)
             for _network, ip in s.vips:
-                if ip in by_vip or ip in by_ip:
+                # Services in different namespaces may share a VIP, as in ztunnel; see best_service.
+                sharing = by_vip.setdefault(ip, [])
+                if ip in by_ip or any(other.namespace == s.namespace for other in sharing):
                     raise ValueError(f"VIP {ip} of service {s.key!r} is already in use")
-                by_vip[ip] = s
+                if s not in sharing:
+                    sharing.append(s)
         policies: dict[str, Policy] = {}
         for p in self.policies:
             if p.key in policies:
@@ -353,6 +389,7 @@ class Mesh:
         object.__setattr__(self, "_by_ip", by_ip)
         object.__setattr__(self, "_by_vip", by_vip)
         object.__setattr__(self, "_by_key", by_key)
+        object.__setattr__(self, "_by_hostname", by_hostname)
         object.__setattr__(self, "_policies_by_key", policies)
 
     def workload_by_ip(self, ip: IPAddress | str) -> Workload | None:
@@ -361,17 +398,17 @@ class Mesh:
     def workload_by_uid(self, uid: str) -> Workload | None:
         return self._by_uid.get(uid)
 
-    def service_by_vip(self, ip: IPAddress | str) -> Service | None:
-        return self._by_vip.get(_ip(ip))
+    def service_by_vip(self, ip: IPAddress | str, client_namespace: str | None = None) -> Service | None:
+        """The service at VIP `ip`; several may share it: the best for a client in `client_namespace`."""
+        return best_service(self._by_vip.get(_ip(ip), ()), client_namespace)
 
-    def service_by_hostname(self, hostname: str, namespace: str | None = None) -> Service | None:
-        """The service with that hostname (in `namespace`, if given)."""
+    def service_by_hostname(self, hostname: str, namespace: str | None = None,
+                            client_namespace: str | None = None) -> Service | None:
+        """The service with that hostname in `namespace`, if given; else the best for a client in
+        `client_namespace` among those sharing the hostname (see :func:`best_service`)."""
         if namespace is not None:
             return self._by_key.get(f"{namespace}/{hostname}")
-        for s in self.services:
-            if s.hostname == hostname:
-                return s
-        return None
+        return best_service(self._by_hostname.get(hostname, ()), client_namespace)
 
     def policy(self, key: str) -> Policy | None:
         """The policy with key "namespace/name"."""
@@ -400,7 +437,12 @@ class Mesh:
         out = []
         for w in self.workloads:
             ports = w.services.get(service.key)
-            if ports is None or not w.healthy or not w.workload_ips:
+            healthy = w.healthy
+            if ports is None and w.uid in service.endpoints:
+                # Listed by the service itself (ztunnel's `endpoints`), with its own health.
+                ports, status = service.endpoints[w.uid]
+                healthy = status == "Healthy"
+            if ports is None or not healthy or not w.workload_ips:
                 continue
             out.append((w, ports.get(service_port, service.ports[service_port])))
         return out
@@ -410,10 +452,12 @@ class Mesh:
         ip: IPAddress | str,
         port: int,
         choice: Callable[[Sequence[tuple[Workload, int]]], tuple[Workload, int]] = random.choice,
+        client_namespace: str | None = None,
     ) -> Destination:
-        """Where a connection to ip:port goes: a service endpoint, a workload, or out."""
+        """Where a connection to ip:port from a client in `client_namespace` goes: a service endpoint,
+        a workload, or out."""
         ip = _ip(ip)
-        service = self._by_vip.get(ip)
+        service = self.service_by_vip(ip, client_namespace)
         if service is not None:
             if port not in service.ports:
                 return Destination("unroutable", ip, port, service=service,

@@ -7,14 +7,15 @@ syntax errors put `line L, column C` in the path's place). Checks across
 entries (duplicate uids or IPs, references to services and policies) run
 once every entry is valid by itself.
 
-Where ztwisted is stricter or kinder than ztunnel:
+ztunnel's fields are all accepted; those ztwisted does not implement are
+checked and then dropped (marked below). Where ztwisted is stricter or kinder
+than ztunnel (docs/configuration.rst lists it for users):
   - `uid` may be omitted: it defaults to `<clusterId>//v1/Pod/<namespace>/<name>`;
-  - `name` and a non-empty `workloadIps` are required;
-  - an IP may appear once in the whole file (workload IP or service VIP);
+  - duplicate uids, services and policies are errors, not "the last one wins";
+  - an IP may belong to one workload; a VIP to no workload and to one service
+    per namespace;
   - a workload's `services` keys and `authorizationPolicies` must name
     services and policies defined in the file;
-  - ztunnel features ztwisted does not implement (waypoints, network
-    gateways, ...) are rejected by name instead of being ignored;
   - policy string matches may be written as Istio patterns ("abc*", "*abc",
     "*"), as ztunnel's `{Exact: ...}`/`{Prefix: ...}`/... maps, or with the
     `!Exact`/`!Prefix`/`!Suffix`/`!Presence` tags; principals may carry the
@@ -368,7 +369,7 @@ def _service_account(value: Any) -> ServiceAccountMatch:
 
 @attrs.frozen
 class _Field:
-    attr: str
+    attr: str | None  # None: a ztunnel field that is checked, then dropped (no effect in ztwisted)
     read: Callable[[_Reader, Any, str], Any]
     required: bool = False
 
@@ -500,10 +501,10 @@ class _Reader:
             "authorizationPolicies": _Field("authorization_policies", self.list_of(s(_policy_key))),
             "networkMode": _Field("network_mode", s(_enum("Standard", "HostNetwork"))),
             # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
-            "waypoint": _Field(None, self.gateway_address),
-            "networkGateway": _Field(None, self.gateway_address),
-            "applicationTunnel": _Field(None, self.application_tunnel),
-            "locality": _Field(None, self.locality),
+            "waypoint": _Field(None, _Reader.gateway_address),
+            "networkGateway": _Field(None, _Reader.gateway_address),
+            "applicationTunnel": _Field(None, _Reader.application_tunnel),
+            "locality": _Field(None, _Reader.locality),
             "capacity": _Field(None, s(_count)),
         })
         if fields is None:
@@ -533,12 +534,12 @@ class _Reader:
             "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
             "canonical": _Field("canonical", s(_bool)),
             "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
-            "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, self.endpoint)),
+            "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, _Reader.endpoint)),
             # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
             "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
-            "waypoint": _Field(None, self.gateway_address),
-            "weightedWaypoints": _Field(None, self.list_of(self.weighted_waypoint)),
-            "loadBalancer": _Field(None, self.load_balancer),
+            "waypoint": _Field(None, _Reader.gateway_address),
+            "weightedWaypoints": _Field(None, self.list_of(_Reader.weighted_waypoint)),
+            "loadBalancer": _Field(None, _Reader.load_balancer),
             "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
         })
         if fields is None:
@@ -548,13 +549,14 @@ class _Reader:
 
     # ztunnel's nested shapes
 
-    def endpoint(self, value: Any, path: str) -> tuple[str, Any, str] | object:
+    def endpoint(self, value: Any, path: str) -> tuple[Any, str] | object:
+        """One of a service's ``endpoints`` (keyed by workload uid): its port map and status."""
         fields = self.record(value, path, {
             "workloadUid": _Field("uid", self.scalar(_nonempty_string), required=True),
             "port": _Field("ports", self.map_of(_port, self.scalar(_port)), required=True),
             "status": _Field("status", self.scalar(_enum("Healthy", "Unhealthy")), required=True),
         })
-        return _INVALID if fields is None else (fields["uid"], fields["ports"], fields["status"])
+        return _INVALID if fields is None else (fields["ports"], fields["status"])
 
     def gateway_address(self, value: Any, path: str) -> Any:
         """ztunnel's GatewayAddress: a "network/ip" or "namespace/hostname" destination and a port."""
@@ -568,7 +570,7 @@ class _Reader:
 
     def weighted_waypoint(self, value: Any, path: str) -> Any:
         fields = self.record(value, path, {
-            "destination": _Field("destination", self.gateway_address, required=True),
+            "destination": _Field("destination", _Reader.gateway_address, required=True),
             "weight": _Field("weight", self.scalar(_count), required=True),
         })
         return _INVALID if fields is None else fields

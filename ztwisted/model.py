@@ -415,10 +415,13 @@ class Mesh:
         return self._policies_by_key.get(key)
 
     def local_workloads(self, node: str | None) -> tuple[Workload, ...]:
-        """Workloads this node serves. No node given (None or "") means all."""
-        if not node:
-            return self.workloads
-        return tuple(w for w in self.workloads if w.node == node)
+        """Workloads this node serves. No node given (None or "") means all.
+
+        A ``HostNetwork`` workload is never one: its addresses are its node's,
+        and it is outside the mesh's capture (as in ztunnel).
+        """
+        return tuple(w for w in self.workloads
+                     if (not node or w.node == node) and w.network_mode != "HostNetwork")
 
     def endpoints(self, service: Service, service_port: int | None = None) -> list[tuple[Workload, int]]:
         """Healthy workloads behind `service`, each with its target port.
@@ -439,9 +442,10 @@ class Mesh:
             ports = w.services.get(service.key)
             healthy = w.healthy
             if ports is None and w.uid in service.endpoints:
-                # Listed by the service itself (ztunnel's `endpoints`), with its own health.
-                ports, status = service.endpoints[w.uid]
-                healthy = status == "Healthy"
+                # Listed by the service itself (ztunnel's `endpoints`): ztunnel uses such an
+                # endpoint whatever its status says (it filters by health only the ones that
+                # workloads bring), and so does ztwisted.
+                ports, healthy = service.endpoints[w.uid][0], True
             if ports is None or not healthy or not w.workload_ips:
                 continue
             out.append((w, ports.get(service_port, service.ports[service_port])))

@@ -412,7 +412,7 @@ class Node(service.MultiService):
             "node": self.node_name,
             "config_source": self.config_source,
             "workloads": [_workload_dump(w, w.uid in local) for w in (*self.mesh.workloads, *undiscovered)],
-            "services": [_service_dump(s) for s in self.mesh.services],
+            "services": [_service_dump(s, self.mesh) for s in self.mesh.services],
             "policies": [{"name": p.name, "namespace": p.namespace, "scope": p.scope, "action": p.action} for p in self.mesh.policies],
             "pool": self.outbound.pool.snapshot(),
             "inbound": [
@@ -441,18 +441,33 @@ def _workload_dump(workload, local: bool) -> dict:
         "workloadIps": [str(ip) for ip in workload.workload_ips],
         "protocol": workload.protocol,
         "node": workload.node,
+        "status": workload.status,
+        "networkMode": workload.network_mode,
         "identity": str(workload.identity),
         "local": local,
     }
 
 
-def _service_dump(service) -> dict:
+def _service_dump(service, mesh) -> dict:
+    # As ztunnel lists them: the ones the service names, then the healthy workloads that join it.
+    endpoints = {
+        uid: {"workloadUid": uid, "port": {str(k): v for k, v in ports.items()}, "status": status}
+        for uid, (ports, status) in service.endpoints.items()
+    }
+    for workload in mesh.workloads:
+        ports = workload.services.get(service.key)
+        if ports is not None and workload.healthy:
+            endpoints[workload.uid] = {
+                "workloadUid": workload.uid, "port": {str(k): v for k, v in ports.items()}, "status": workload.status}
     return {
         "name": service.name,
         "namespace": service.namespace,
         "hostname": service.hostname,
         "vips": [f"{network}/{ip}" for network, ip in service.vips],
         "ports": {str(k): v for k, v in service.ports.items()},
+        "canonical": service.canonical,
+        "visibility": service.visibility,
+        "endpoints": endpoints,
     }
 
 

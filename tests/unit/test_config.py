@@ -265,8 +265,6 @@ def test_match_forms():
          "mesh.yaml: workloads[1].workloadIps[0]: '10.0.0.300' is not an IP address"),
         ("workloads: [{name: b, namespace: default, workloadIps: [10]}]",
          "mesh.yaml: workloads[0].workloadIps[0]: expected an IP address, got an integer (10)"),
-        ("workloads: [{name: b, namespace: default, workloadIps: []}]",
-         "mesh.yaml: workloads[0].workloadIps: must list at least one entry"),
         ("workloads: [{name: b, namespace: default, workloadIps: '10.0.0.1'}]",
          "mesh.yaml: workloads[0].workloadIps: expected a list, got a string ('10.0.0.1')"),
         ("workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], protocol: HTTP}]",
@@ -277,8 +275,6 @@ def test_match_forms():
          "mesh.yaml: workloads[0].nativeTunnel: expected true or false, got a string ('yes')"),
         ("workloads: [{name: 7, namespace: default, workloadIps: ['10.0.0.1']}]",
          "mesh.yaml: workloads[0].name: expected a string, got an integer (7)"),
-        ("workloads: [{name: '', namespace: default, workloadIps: ['10.0.0.1']}]",
-         "mesh.yaml: workloads[0].name: must not be empty"),
         ("workloads: [{name: a, namespace: 'my ns', workloadIps: ['10.0.0.1']}]",
          "mesh.yaml: workloads[0].namespace: namespace 'my ns' may only contain letters, digits, '.', '-' and '_'"),
         ("workloads: [{name: a, namespace: ns, serviceAccount: 'a/b', workloadIps: ['10.0.0.1']}]",
@@ -326,10 +322,22 @@ def test_match_forms():
          "mesh.yaml: workloads[0].protocl: unknown key (did you mean 'protocol'?)"),
         ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], colour: blue}]",
          "mesh.yaml: workloads[0].colour: unknown key"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], waypoint: {}}]",
-         "mesh.yaml: workloads[0].waypoint: not supported by ztwisted"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, loadBalancer: {}}]",
-         "mesh.yaml: services[0].loadBalancer: not supported by ztwisted"),
+        # ztunnel's fields that ztwisted ignores are still checked as ztunnel checks them
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], waypoint: {destination: /10.0.0.9}}]",
+         "mesh.yaml: workloads[0].waypoint.hboneMtlsPort: required field is missing"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, loadBalancer: {mode: Strict, healthPolicy: AllowAll, routingPreferences: [Planet]}}]",
+         "mesh.yaml: services[0].loadBalancer.routingPreferences[0]: 'Planet' is not one of Region, Zone, Subzone, Node, Cluster, Network"),
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], capacity: -1}]",
+         "mesh.yaml: workloads[0].capacity: expected a whole number from 0 to 4294967295, got an integer (-1)"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, cidrVips: ['/10.0.0.0/8']}]",
+         "mesh.yaml: services[0].cidrVips[0]: expected {network: ..., cidr: ...}, got a string ('/10.0.0.0/8')"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, endpoints: {u: {workloadUid: u, port: {}}}}]",
+         "mesh.yaml: services[0].endpoints[\"u\"].status: required field is missing"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, visibility: Private}]",
+         "mesh.yaml: services[0].visibility: 'Private' is not one of Public, Namespace"),
+        (("services: [{name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {}},"
+          " {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {}}]"),
+         "mesh.yaml: services[1].vips[0]: 10.96.0.1 is already used by services[0] ('ns/h')"),
         ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principal: [x]}]]]}]",
          "mesh.yaml: policies[0].rules[0][0][0].principal: unknown key (did you mean 'principals'?)"),
         ("workload: []", "mesh.yaml: workload: unknown key (did you mean 'workloads'?)"),
@@ -602,3 +610,107 @@ def test_watcher_follows_a_configmap_style_symlink_swap(tmp_path):
         assert (kind, names(mesh)) == ("change", ["v2"])
     finally:
         watcher.stop()
+
+
+# --- ztunnel's fields that change what ztwisted does --------------------------------------------
+
+SHARED_HOSTNAME = """\
+workloads:
+- {uid: c, name: client, namespace: web, workloadIps: ["10.0.0.1"], services: {}}
+- {uid: s, name: shopper, namespace: shop, workloadIps: ["10.0.0.2"], services: {}}
+- {uid: d, name: db-default, namespace: default, workloadIps: ["10.0.1.1"], services: {"default/db.example.com": {5432: 5432}}}
+- {uid: e, name: db-ext, namespace: ext, workloadIps: ["10.0.1.2"], services: {"ext/db.example.com": {5432: 5432}}}
+- {uid: p, name: db-shop, namespace: shop, workloadIps: ["10.0.1.3"], services: {"shop/db.example.com": {5432: 5432}}}
+services:
+- {name: db, namespace: default, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}}
+- {name: db, namespace: ext, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}, canonical: %s}
+- {name: db, namespace: shop, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}, visibility: Namespace}
+"""
+
+
+@pytest.mark.parametrize("canonical", [True, False])
+def test_canonical_chooses_among_services_sharing_a_hostname_or_vip_as_in_ztunnel(canonical):
+    mesh = parse_config(SHARED_HOSTNAME % str(canonical).lower())
+    # A client in a namespace without its own: the canonical one, else the first in the file.
+    expected = "ext" if canonical else "default"
+    assert mesh.service_by_hostname("db.example.com", client_namespace="web").namespace == expected
+    assert mesh.service_by_vip("10.96.0.1", client_namespace="web").namespace == expected
+    destination = mesh.resolve("10.96.0.1", 5432, client_namespace="web")
+    assert destination.workload.name == f"db-{expected}"
+    # A client whose namespace has one always gets its own, canonical or not.
+    assert mesh.service_by_hostname("db.example.com", client_namespace="shop").namespace == "shop"
+    assert mesh.resolve("10.96.0.1", 5432, client_namespace="shop").workload.name == "db-shop"
+    # Naming the namespace still finds exactly that one.
+    assert mesh.service_by_hostname("db.example.com", "ext").namespace == "ext"
+
+
+def test_a_namespace_visibility_service_is_seen_only_from_its_namespace():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: p, name: db-shop, namespace: shop, workloadIps: ["10.0.1.3"], services: {"shop/db.example.com": {5432: 5432}}}
+        services:
+        - {name: db, namespace: shop, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}, visibility: Namespace}
+        """))
+    (only,) = mesh.services
+    assert mesh.service_by_hostname("db.example.com", client_namespace="web") is None
+    assert mesh.resolve("10.96.0.1", 5432, client_namespace="web").kind == "passthrough"
+    assert mesh.service_by_hostname("db.example.com", client_namespace="shop") is only
+    assert mesh.resolve("10.96.0.1", 5432, client_namespace="shop").workload.name == "db-shop"
+
+
+def test_services_of_one_namespace_may_not_share_a_vip_but_of_different_namespaces_may():
+    assert len(parse_config(SHARED_HOSTNAME % "true").services) == 3
+
+
+def test_endpoints_listed_by_a_service_are_routed_to_with_their_own_ports():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: w, name: w, namespace: ns, workloadIps: ["10.0.0.7"], status: Unhealthy}
+        services:
+        - name: s
+          namespace: ns
+          hostname: s.example.com
+          vips: ["/10.96.0.7"]
+          ports: {80: 8080}
+          endpoints: {w: {workloadUid: w, port: {80: 9090}, status: Unhealthy}}
+        """))
+    # ztunnel uses a service's own endpoints whatever their status (it filters only workloads' ones).
+    destination = mesh.resolve("10.96.0.7", 80)
+    assert (destination.kind, destination.workload.uid, destination.port) == ("service", "w", 9090)
+
+
+def test_host_network_workloads_are_not_found_by_address_nor_served():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: pod, name: pod, namespace: ns, workloadIps: ["10.0.0.1"]}
+        - {uid: agent, name: agent, namespace: kube-system, workloadIps: ["10.0.0.1"], networkMode: HostNetwork}
+        """))
+    assert mesh.workload_by_ip("10.0.0.1").uid == "pod"
+    assert [w.uid for w in mesh.local_workloads(None)] == ["pod"]
+
+
+def test_ztunnel_fields_without_effect_in_ztwisted_are_accepted():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - uid: w
+          namespace: ns
+          workloadIps: []
+          capacity: 3
+          locality: {region: r, zone: z, subzone: s}
+          waypoint: {destination: "ns/waypoint.example.com", hboneMtlsPort: 15008}
+          networkGateway: {destination: "/10.0.0.9", hboneMtlsPort: 15008}
+          applicationTunnel: {protocol: NONE}
+          services: {}
+        services:
+        - name: s
+          namespace: ns
+          hostname: s.example.com
+          vips: []
+          cidrVips: [{network: "", cidr: "10.96.0.0/16"}]
+          ports: {}
+          ipFamilies: Dual
+          loadBalancer: {routingPreferences: [], mode: Standard, healthPolicy: AllowAll}
+          weightedWaypoints: [{destination: {destination: "/10.0.0.9", hboneMtlsPort: 15008}, weight: 1}]
+        """))
+    (workload,) = mesh.workloads
+    assert (workload.uid, workload.name, workload.workload_ips) == ("w", "", ())

@@ -8,16 +8,16 @@ entries (duplicate uids or IPs, references to services and policies) run
 once every entry is valid by itself.
 
 ztunnel's fields are all accepted; those ztwisted does not implement are
-checked and then dropped (marked below). Where ztwisted is stricter or kinder
-than ztunnel (docs/configuration.rst lists it for users):
+checked and then dropped (marked below). Files ztunnel accepts are accepted;
+what is likely a mistake (duplicate keys, shared addresses, references to
+entries the file lacks) gets ztunnel's meaning and a logged warning with its
+position. Where ztwisted is stricter or kinder than ztunnel
+(docs/configuration.rst lists it for users):
   - `uid` may be omitted: it defaults to `<clusterId>//v1/Pod/<namespace>/<name>`;
-  - duplicate uids, services and policies are errors, not "the last one wins";
-  - an IP may belong to one workload; a VIP to no workload and to one service
-    per namespace;
-  - a workload's `services` keys and `authorizationPolicies` must name
-    services and policies defined in the file;
+  - unknown keys in a policy match are errors (ztunnel ignores them);
+  - namespaces, service accounts and trust domains must fit in a SPIFFE ID;
   - policy string matches may be written as Istio patterns ("abc*", "*abc",
-    "*"), as ztunnel's `{Exact: ...}`/`{Prefix: ...}`/... maps, or with the
+    "*"), as `{Exact: ...}`/`{Prefix: ...}`/... maps, or with ztunnel's
     `!Exact`/`!Prefix`/`!Suffix`/`!Presence` tags; principals may carry the
     `spiffe://` prefix or not.
 """
@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import yaml
 from twisted.internet import inotify
+from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
 from ztwisted.identity import InvalidSpiffeId, SpiffeId
@@ -57,6 +58,9 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
+
+
+log = Logger(namespace="ztwisted.config")
 
 
 @attrs.frozen
@@ -102,6 +106,8 @@ def parse_config(text: str, source: str = "<string>") -> Mesh:
     mesh = reader.mesh(data)
     if reader.problems:
         raise ConfigError(source, reader.problems)
+    for warning in reader.warnings:
+        log.warn("{source}: {path}: {message}", source=source, path=warning.path, message=warning.message)
     assert mesh is not None
     return mesh
 
@@ -379,11 +385,16 @@ class _Reader:
 
     def __init__(self) -> None:
         self.problems: list[Problem] = []
+        self.warnings: list[Problem] = []
         self._derived_uids: set[int] = set()  # id() of workloads whose uid was not given
 
     def problem(self, path: str, message: str) -> object:
         self.problems.append(Problem(path, message))
         return _INVALID
+
+    def warning(self, path: str, message: str) -> None:
+        """Something ztunnel accepts that is likely a mistake: logged, the file is used."""
+        self.warnings.append(Problem(path, message))
 
     # generic shapes: each returns a reader(reader, value, path) -> value or _INVALID
 
@@ -473,9 +484,7 @@ class _Reader:
         if top is None:
             return None
         workloads, services, policies = (top.get(k, ()) for k in ("workloads", "services", "policies"))
-        if not self._cross_check(workloads, services, policies):
-            return None
-        return Mesh(workloads, services, policies)
+        return Mesh(*self._cross_check(workloads, services, policies))
 
     def workload(self, value: Any, path: str) -> Workload | object:
         s = self.scalar
@@ -637,48 +646,66 @@ class _Reader:
     # checks across entries (they run once every entry is valid by itself)
 
     def _cross_check(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
-                     policies: tuple[Policy, ...]) -> bool:
-        before = len(self.problems)
-        uids: dict[str, int] = {}
+                     policies: tuple[Policy, ...]) -> tuple[tuple[Workload, ...], tuple[Service, ...], tuple[Policy, ...]]:
+        """What ztunnel makes of entries that collide or refer to nothing, each with a warning.
+
+        ztunnel accepts such files: a later workload, service or policy with the
+        same key replaces the earlier one; addresses may be shared (see
+        ``Mesh``); references to what the file lacks have no effect.
+        """
+        workloads = self._last_wins(workloads, "workloads", lambda w: w.uid, lambda w, i: (
+            f"duplicate uid {w.uid!r}" + (" (uid not set: made from clusterId, namespace and name)"
+                                          if id(w) in self._derived_uids else "")), "uid")
+        services = self._last_wins(services, "services", lambda s: s.key,
+                                   lambda s, i: f"duplicate service {s.key!r}")
+        policies = self._last_wins(policies, "policies", lambda p: p.key,
+                                   lambda p, i: f"duplicate policy {p.key!r}")
         ips: dict[Any, str] = {}
         for i, w in enumerate(workloads):
-            if w.uid in uids:
-                derived = " (uid not set: made from clusterId, namespace and name)" if id(w) in self._derived_uids else ""
-                self.problem(f"workloads[{i}].uid",
-                             f"duplicate uid {w.uid!r}{derived}; also used by workloads[{uids[w.uid]}]")
-            uids.setdefault(w.uid, i)
             for j, ip in enumerate(() if w.network_mode == "HostNetwork" else w.workload_ips):
                 if ip in ips:
-                    self.problem(f"workloads[{i}].workloadIps[{j}]", f"{ip} is already used by {ips[ip]}")
-                ips.setdefault(ip, f"workloads[{i}] (uid {w.uid!r})")
-        service_keys: dict[str, int] = {}
-        vip_namespaces: dict[Any, set[str]] = {}  # VIP -> namespaces of the services that have it
+                    self.warning(f"workloads[{i}].workloadIps[{j}]",
+                                 f"{ip} is also the address of {ips[ip]}; as in ztunnel, a connection from it is "
+                                 "attributed to one of them: a pod (uid with \"//Pod/\") first, then HBONE, else the last")
+                ips.setdefault(ip, f"workload {w.uid!r}")
+        vips: dict[Any, dict[str, str]] = {}  # VIP -> namespace -> the service that has it there
         for i, svc in enumerate(services):
-            if svc.key in service_keys:
-                self.problem(f"services[{i}]", f"duplicate service {svc.key!r} (also services[{service_keys[svc.key]}])")
-            service_keys.setdefault(svc.key, i)
             for j, (_network, ip) in enumerate(svc.vips):
-                # Services of different namespaces may share a VIP (ztunnel picks one per client).
-                used_by_workload = ip in ips and ip not in vip_namespaces
-                if used_by_workload or svc.namespace in vip_namespaces.get(ip, ()):
-                    self.problem(f"services[{i}].vips[{j}]", f"{ip} is already used by {ips[ip]}")
-                ips.setdefault(ip, f"services[{i}] ({svc.key!r})")
-                vip_namespaces.setdefault(ip, set()).add(svc.namespace)
-        policy_keys: dict[str, int] = {}
-        for i, p in enumerate(policies):
-            if p.key in policy_keys:
-                self.problem(f"policies[{i}]", f"duplicate policy {p.key!r} (also policies[{policy_keys[p.key]}])")
-            policy_keys.setdefault(p.key, i)
+                if ip in ips:
+                    self.warning(f"services[{i}].vips[{j}]",
+                                 f"{ip} is also the address of {ips[ip]}; as in ztunnel, connections to it go to "
+                                 "the service")
+                owners = vips.setdefault(ip, {})
+                if svc.namespace in owners:
+                    self.warning(f"services[{i}].vips[{j}]",
+                                 f"{ip} is also a VIP of {owners[svc.namespace]} in the same namespace; as in ztunnel, "
+                                 "this later service takes it")
+                owners[svc.namespace] = f"service {svc.key!r}"
+        service_keys = {svc.key for svc in services}
+        policy_keys = {p.key for p in policies}
         for i, w in enumerate(workloads):
             for key in w.services:
                 if key not in service_keys:
                     namespace, _, hostname = key.partition("/")
-                    self.problem(_map_key_path(f"workloads[{i}].services", key),
-                                 f"no service with namespace {namespace!r} and hostname {hostname!r} in services")
+                    self.warning(_map_key_path(f"workloads[{i}].services", key),
+                                 f"no service with namespace {namespace!r} and hostname {hostname!r} in services; "
+                                 "as in ztunnel, this has no effect")
             for j, key in enumerate(w.authorization_policies):
                 if key not in policy_keys:
-                    self.problem(f"workloads[{i}].authorizationPolicies[{j}]", f"no policy {key!r} in policies")
-        return len(self.problems) == before
+                    self.warning(f"workloads[{i}].authorizationPolicies[{j}]",
+                                 f"no policy {key!r} in policies; as in ztunnel, it selects nothing")
+        return workloads, services, policies
+
+    def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], str],
+                   describe: Callable[[Any, int], str], field: str | None = None) -> tuple:
+        """``entries`` without those a later entry with the same key replaces (ztunnel's rule), warned about."""
+        last = {key(entry): i for i, entry in enumerate(entries)}
+        for i, entry in enumerate(entries):
+            if last[key(entry)] != i:
+                where = f"{section}[{i}]" + (f".{field}" if field else "")
+                self.warning(where, f"{describe(entry, i)}: {section}[{last[key(entry)]}] replaces this entry, "
+                                    "as in ztunnel")
+        return tuple(entry for i, entry in enumerate(entries) if last[key(entry)] == i)
 
 
 # --- reloading --------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 Plain immutable data. `ztwisted.config` builds it from YAML (and reports
 problems with file positions); this module only offers construction helpers
-and the lookups the proxy needs. Addresses form one flat space: an IP is either
-one workload's address or one service's VIP, never both, whatever the network.
+and the lookups the proxy needs. Addresses form one flat space, whatever the
+network; as in ztunnel, workloads may share an address (one is chosen), and a
+VIP may be shared by services of different namespaces and be a workload's
+address too (a connection to it goes to the service).
 """
 
 from __future__ import annotations
@@ -163,6 +165,11 @@ class Service:
 
     def visible_to(self, client_namespace: str | None) -> bool:
         return client_namespace is None or self.visibility != "Namespace" or self.namespace == client_namespace
+
+
+def _address_rank(workload: Workload) -> tuple[bool, bool]:
+    """Which of the workloads sharing an address it belongs to (ztunnel's ranking; higher wins)."""
+    return "//Pod/" in workload.uid, workload.protocol == "HBONE"
 
 
 def best_service(candidates: Iterable[Service], client_namespace: str | None = None) -> Service | None:
@@ -338,7 +345,7 @@ class MeshDiff:
 class Mesh:
     """Everything the local configuration describes, with lookups.
 
-    Construction checks uniqueness (uids, IPs, service keys, policy keys) and
+    Construction checks uniqueness (uids, service keys, policy keys) and
     raises ValueError; `ztwisted.config` checks first, with file positions.
     """
 
@@ -362,9 +369,9 @@ class Mesh:
             if w.network_mode == "HostNetwork":
                 continue  # ztunnel does not index them by address either
             for ip in w.workload_ips:
-                if ip in by_ip:
-                    raise ValueError(f"IP {ip} is used by workloads {by_ip[ip].uid!r} and {w.uid!r}")
-                by_ip[ip] = w
+                # Several may share an address; ztunnel's choice: a Kubernetes pod, in HBONE, the last.
+                if ip not in by_ip or _address_rank(w) >= _address_rank(by_ip[ip]):
+                    by_ip[ip] = w
         by_vip: dict[IPAddress, list[Service]] = {}
         by_key: dict[str, Service] = {}
         by_hostname: dict[str, list[Service]] = {}
@@ -374,11 +381,13 @@ class Mesh:
             by_key[s.key] = s
             by_hostname.setdefault(s.hostname, []).append(s)
             for _network, ip in s.vips:
-                # Services in different namespaces may share a VIP, as in ztunnel; see best_service.
+                # Services may share a VIP, as in ztunnel: one per namespace (a later one takes
+                # the earlier one's place); best_service chooses for each client.
                 sharing = by_vip.setdefault(ip, [])
-                if ip in by_ip or any(other.namespace == s.namespace for other in sharing):
-                    raise ValueError(f"VIP {ip} of service {s.key!r} is already in use")
-                if s not in sharing:
+                same_namespace = [k for k, other in enumerate(sharing) if other.namespace == s.namespace]
+                if same_namespace:
+                    sharing[same_namespace[0]] = s
+                else:
                     sharing.append(s)
         policies: dict[str, Policy] = {}
         for p in self.policies:

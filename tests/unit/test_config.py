@@ -7,6 +7,7 @@ from ipaddress import ip_address
 import pytest
 import pytest_twisted
 from twisted.internet import defer, inotify, reactor, task
+from twisted.logger import capturedLogs, formatEvent
 from twisted.python.filepath import FilePath
 
 from ztwisted.authz import authorize
@@ -335,9 +336,6 @@ def test_match_forms():
          "mesh.yaml: services[0].endpoints[\"u\"].status: required field is missing"),
         ("services: [{name: s, namespace: ns, hostname: h, ports: {}, visibility: Private}]",
          "mesh.yaml: services[0].visibility: 'Private' is not one of Public, Namespace"),
-        (("services: [{name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {}},"
-          " {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {}}]"),
-         "mesh.yaml: services[1].vips[0]: 10.96.0.1 is already used by services[0] ('ns/h')"),
         ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principal: [x]}]]]}]",
          "mesh.yaml: policies[0].rules[0][0][0].principal: unknown key (did you mean 'principals'?)"),
         ("workload: []", "mesh.yaml: workload: unknown key (did you mean 'workloads'?)"),
@@ -359,28 +357,6 @@ def test_match_forms():
          "mesh.yaml: line 3, column 3: invalid YAML: duplicate key 'name' (while reading a mapping)"),
         ("workloads: !Foo x", ("mesh.yaml: line 1, column 12: invalid YAML: could not determine a constructor "
                               "for the tag '!Foo'")),
-        # checks across entries
-        ("workloads:\n" + GOOD_WORKLOAD + GOOD_WORKLOAD.replace("10.0.0.1", "10.0.0.2"),
-         ("mesh.yaml: workloads[1].uid: duplicate uid 'Kubernetes//v1/Pod/default/a' (uid not set: made from "
-         "clusterId, namespace and name); also used by workloads[0]")),
-        (("workloads: [{uid: x, name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
-         " {uid: x, name: b, namespace: ns, workloadIps: ['10.0.0.2']}]"),
-         "mesh.yaml: workloads[1].uid: duplicate uid 'x'; also used by workloads[0]"),
-        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
-         " {name: b, namespace: ns, workloadIps: ['10.0.0.2', '10.0.0.1']}]"),
-         "mesh.yaml: workloads[1].workloadIps[1]: 10.0.0.1 is already used by workloads[0] (uid 'Kubernetes//v1/Pod/ns/a')"),
-        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']}]\n"
-         "services: [{name: s, namespace: ns, hostname: h, vips: ['/10.0.0.1'], ports: {}}]"),
-         "mesh.yaml: services[0].vips[0]: 10.0.0.1 is already used by workloads[0] (uid 'Kubernetes//v1/Pod/ns/a')"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}}, {name: t, namespace: ns, hostname: h, ports: {}}]",
-         "mesh.yaml: services[1]: duplicate service 'ns/h' (also services[0])"),
-        (("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: []},"
-         " {name: p, namespace: ns, scope: Global, action: Deny, rules: []}]"),
-         "mesh.yaml: policies[1]: duplicate policy 'ns/p' (also policies[0])"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 8080}}}]",
-         "mesh.yaml: workloads[0].services[\"ns/echo\"]: no service with namespace 'ns' and hostname 'echo' in services"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [ns/p]}]",
-         "mesh.yaml: workloads[0].authorizationPolicies[0]: no policy 'ns/p' in policies"),
     ],
 )
 def test_error_messages(text, expected):
@@ -658,8 +634,96 @@ def test_a_namespace_visibility_service_is_seen_only_from_its_namespace():
     assert mesh.resolve("10.96.0.1", 5432, client_namespace="shop").workload.name == "db-shop"
 
 
-def test_services_of_one_namespace_may_not_share_a_vip_but_of_different_namespaces_may():
-    assert len(parse_config(SHARED_HOSTNAME % "true").services) == 3
+def warnings_of(text, source="mesh.yaml"):
+    with capturedLogs() as events:
+        mesh = parse_config(textwrap.dedent(text), source)
+    return mesh, [formatEvent(e) for e in events if e.get("log_namespace") == "ztwisted.config"]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("workloads:\n" + GOOD_WORKLOAD + GOOD_WORKLOAD.replace("10.0.0.1", "10.0.0.2"),
+         ("mesh.yaml: workloads[0].uid: duplicate uid 'Kubernetes//v1/Pod/default/a' (uid not set: made from "
+          "clusterId, namespace and name): workloads[1] replaces this entry, as in ztunnel")),
+        (("workloads: [{uid: x, name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
+          " {uid: x, name: b, namespace: ns, workloadIps: ['10.0.0.2']}]"),
+         "mesh.yaml: workloads[0].uid: duplicate uid 'x': workloads[1] replaces this entry, as in ztunnel"),
+        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
+          " {name: b, namespace: ns, workloadIps: ['10.0.0.2', '10.0.0.1']}]"),
+         ("mesh.yaml: workloads[1].workloadIps[1]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
+          "as in ztunnel, a connection from it is attributed to one of them: a pod (uid with \"//Pod/\") first, "
+          "then HBONE, else the last")),
+        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']}]\n"
+          "services: [{name: s, namespace: ns, hostname: h, vips: ['/10.0.0.1'], ports: {}}]"),
+         ("mesh.yaml: services[0].vips[0]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
+          "as in ztunnel, connections to it go to the service")),
+        (("services: [{name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {}},"
+          " {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {}}]"),
+         ("mesh.yaml: services[1].vips[0]: 10.96.0.1 is also a VIP of service 'ns/h' in the same namespace; as in "
+          "ztunnel, this later service takes it")),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}}, {name: t, namespace: ns, hostname: h, ports: {}}]",
+         "mesh.yaml: services[0]: duplicate service 'ns/h': services[1] replaces this entry, as in ztunnel"),
+        (("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: []},"
+          " {name: p, namespace: ns, scope: Global, action: Deny, rules: []}]"),
+         "mesh.yaml: policies[0]: duplicate policy 'ns/p': policies[1] replaces this entry, as in ztunnel"),
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 8080}}}]",
+         ("mesh.yaml: workloads[0].services[\"ns/echo\"]: no service with namespace 'ns' and hostname 'echo' in "
+          "services; as in ztunnel, this has no effect")),
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [ns/p]}]",
+         "mesh.yaml: workloads[0].authorizationPolicies[0]: no policy 'ns/p' in policies; as in ztunnel, it selects nothing"),
+    ],
+)
+def test_what_ztunnel_accepts_but_is_likely_a_mistake_is_used_with_a_warning(text, expected):
+    _mesh, warnings = warnings_of(text)
+    assert warnings == [expected]
+
+
+def test_a_later_entry_replaces_an_earlier_one_with_the_same_key_as_in_ztunnel():
+    mesh, _ = warnings_of("""\
+        workloads:
+        - {uid: x, name: old, namespace: ns, workloadIps: ['10.0.0.1']}
+        - {uid: x, name: new, namespace: ns, workloadIps: ['10.0.0.2']}
+        services:
+        - {name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {80: 80}}
+        - {name: s2, namespace: ns, hostname: h, vips: [/10.96.0.2], ports: {80: 80}}
+        policies:
+        - {name: p, namespace: ns, scope: Global, action: Allow, rules: []}
+        - {name: p, namespace: ns, scope: Global, action: Deny, rules: []}
+        """)
+    (workload,) = mesh.workloads
+    assert workload.name == "new" and mesh.workload_by_ip("10.0.0.1") is None
+    (service,) = mesh.services
+    assert service.name == "s2" and mesh.service_by_vip("10.96.0.1") is None
+    (policy,) = mesh.policies
+    assert policy.action == "Deny"
+
+
+def test_shared_addresses_are_resolved_as_ztunnel_resolves_them():
+    mesh, _ = warnings_of("""\
+        workloads:
+        - {uid: "c1//Pod/ns/pod", name: pod, namespace: ns, workloadIps: ['10.0.0.1'], protocol: HBONE}
+        - {uid: "c1//WorkloadEntry/ns/vm", name: vm, namespace: ns, workloadIps: ['10.0.0.1'], protocol: HBONE}
+        - {uid: "c1//v1/Pod/ns/tcp", name: tcp, namespace: ns, workloadIps: ['10.0.0.2']}
+        - {uid: "c1//v1/Pod/ns/tcp2", name: tcp2, namespace: ns, workloadIps: ['10.0.0.2']}
+        - {uid: "c1//v1/Pod/ns/backend", name: backend, namespace: ns, workloadIps: ['10.0.1.1'],
+           services: {"ns/h": {80: 8080}}}
+        services:
+        - {name: s, namespace: ns, hostname: h, vips: [/10.0.0.2, /10.96.0.1], ports: {80: 8080}}
+        - {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {80: 8080}}
+        """)
+    # A pod (its uid has "//Pod/", Istio's form; not "//v1/Pod/") before anything else.
+    assert mesh.workload_by_ip("10.0.0.1").name == "pod"
+    assert mesh.workload_by_ip("10.0.0.2").name == "tcp2"  # equal rank: the last
+    # A VIP that is also a workload's address: outbound goes to the service.
+    assert mesh.resolve("10.0.0.2", 80).workload.name == "backend"
+    # Two services of one namespace at one VIP: the later takes it.
+    assert mesh.service_by_vip("10.96.0.1").name == "t"
+
+
+def test_services_of_different_namespaces_may_share_a_vip_quietly():
+    mesh, warnings = warnings_of(SHARED_HOSTNAME % "true")
+    assert len(mesh.services) == 3 and warnings == []
 
 
 def test_endpoints_listed_by_a_service_are_routed_to_with_their_own_ports():

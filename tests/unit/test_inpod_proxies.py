@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from ipaddress import ip_address
 
-from ztwisted.config import parse_config
+import pytest
+import pytest_twisted
+from twisted.internet import reactor
+
+from tests.unit.test_zds_client import Harness, request
+from ztwisted import tap
+from ztwisted.config import builtin_example_path, parse_config
 from ztwisted.hbone.inbound import serves_address
-from ztwisted.inpod.proxies import pod_workload
-from ztwisted.inpod.wire import WorkloadInfo
+from ztwisted.inpod import wire
+from ztwisted.inpod.proxies import PodProxies, pod_workload
+from ztwisted.inpod.testing import unshared_netns
+from ztwisted.inpod.wire import AddWorkload, WorkloadInfo
 from ztwisted.model import Mesh
 from ztwisted.network import HostNetwork, PodNetwork
 
@@ -75,3 +83,52 @@ def test_a_pod_without_known_addresses_serves_only_the_address_a_connection_arri
     known = pod_workload("uid-web-1", INFO, parse_config(DISCOVERED), "node-1")
     assert serves_address(known, in_pod, "10.0.0.5", arrived_at="10.0.0.5")
     assert not serves_address(known, in_pod, "10.0.0.9", arrived_at="10.0.0.9"), "discovery knows its addresses"
+
+
+# -- through the ZDS client, with a real node and a real pod namespace ---------------------------
+
+
+@pytest.fixture
+def node(tmp_path):
+    options = tap.Options()
+    options.parseOptions(["--state-dir", str(tmp_path / "state"), "--inpod", "--node", "node-1",
+                          "--config", builtin_example_path()])
+    return tap.makeService(options, reactor).node
+
+
+@pytest.fixture
+def pod_netns():
+    ns = unshared_netns()
+    if ns is None:
+        pytest.skip("cannot create a network namespace here (needs root or user namespaces)")
+    yield ns
+    ns.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_an_add_before_discovery_is_acked_served_and_completed_by_discovery_later(node, pod_netns):
+    harness = Harness(manager=PodProxies(node))
+    try:
+        agent = yield harness.start()
+        ack = yield request(agent, wire.encode_request(AddWorkload("uid-new", INFO)), [pod_netns.fileno()])
+        assert ack.ok, ack.error  # was: "pod uid-new (shop/web-1) is not in the configuration"
+        served = node.local_workload("uid-new")
+        assert (str(served.identity), served.workload_ips) == ("spiffe://cluster.local/ns/shop/sa/web", ())
+        listeners = node.listeners["uid-new"]
+        assert len(listeners.ports) == 3  # 15008, 15006 and 15001 in the pod's namespace
+
+        node.apply_mesh(parse_config(DISCOVERED.replace("uid-web-1", "uid-new")))
+        served = node.local_workload("uid-new")
+        assert served.workload_ips == (ip_address("10.0.0.5"),) and str(served.identity) == (
+            "spiffe://example.org/ns/shop/sa/web")
+        assert listeners.hbone.workload is listeners.plaintext.workload is served
+        assert listeners.redirect.source is served
+        assert node.local_workload_by_ip("10.0.0.5") is served
+    finally:
+        harness.client.stopService()
+        for peer in harness.peers:
+            peer.close()
+        served = node.local_workload("uid-new")
+        if served is not None:
+            yield node.listeners[served.uid].stop_listening()
+            node.network_of(served).close()

@@ -143,6 +143,16 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# ztunnel reads YAML 1.2 (serde_yaml): only true and false are booleans, so `name: no` or
+# `namespace: on` are strings there. PyYAML follows YAML 1.1 (yes/no/on/off too); use 1.2's rule.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
 def _tagged(tag: str) -> Callable[[yaml.SafeLoader, yaml.Node], _Tagged]:
     def construct(loader: yaml.SafeLoader, node: yaml.Node) -> _Tagged:
         if isinstance(node, yaml.ScalarNode):
@@ -509,12 +519,12 @@ class _Reader:
             "nativeTunnel": _Field("native_tunnel", s(_bool)),
             "authorizationPolicies": _Field("authorization_policies", self.list_of(s(_policy_key))),
             "networkMode": _Field("network_mode", s(_enum("Standard", "HostNetwork"))),
+            "capacity": _Field("capacity", s(_count)),
             # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
             "waypoint": _Field(None, _Reader.gateway_address),
             "networkGateway": _Field(None, _Reader.gateway_address),
             "applicationTunnel": _Field(None, _Reader.application_tunnel),
             "locality": _Field(None, _Reader.locality),
-            "capacity": _Field(None, s(_count)),
         })
         if fields is None:
             return _INVALID

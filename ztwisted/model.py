@@ -10,7 +10,9 @@ address too (a connection to it goes to the service).
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
+import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -120,6 +122,7 @@ class Workload:
     hostname: str = ""
     native_tunnel: bool = False
     network_mode: str = "Standard"  # "HostNetwork": its IPs are the node's, so nobody is found by them
+    capacity: int = 1  # its weight among a service's endpoints
     # "namespace/name" keys of WorkloadSelector policies that select this workload
     authorization_policies: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
 
@@ -475,16 +478,27 @@ class Mesh:
             if port not in service.ports:
                 return Destination("unroutable", ip, port, service=service,
                                    reason=f"service {service.hostname} has no port {port}")
-            endpoints = self.endpoints(service, port)
+            # ztunnel weighs endpoints by capacity: one with capacity 0 is never chosen.
+            endpoints = [e for e in self.endpoints(service, port) if e[0].capacity > 0]
             if not endpoints:
                 return Destination("unroutable", ip, port, service=service,
                                    reason=f"service {service.hostname} has no healthy endpoints")
-            workload, target_port = choice(endpoints)
+            workload, target_port = _weighted(endpoints, choice)
             return Destination("service", workload.ip_for(ip), target_port, workload=workload, service=service)
         workload = self._by_ip.get(ip)
         if workload is not None:
             return Destination("workload", ip, port, workload=workload)
         return Destination("passthrough", ip, port)
+
+
+def _weighted(endpoints: Sequence[tuple[Workload, int]],
+              choice: Callable[[Sequence[Any]], Any]) -> tuple[Workload, int]:
+    """One endpoint, with a chance in proportion to its workload's capacity (ztunnel's rule)."""
+    capacities = [workload.capacity for workload, _ in endpoints]
+    if len(set(capacities)) == 1:
+        return choice(endpoints)
+    cumulative = list(itertools.accumulate(capacities))
+    return endpoints[bisect.bisect_right(cumulative, choice(range(cumulative[-1])))]
 
 
 def diff(old: Mesh, new: Mesh) -> MeshDiff:

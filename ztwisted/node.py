@@ -443,6 +443,7 @@ def _workload_dump(workload, local: bool) -> dict:
         "node": workload.node,
         "status": workload.status,
         "networkMode": workload.network_mode,
+        "capacity": workload.capacity,
         "identity": str(workload.identity),
         "local": local,
     }

@@ -1,6 +1,7 @@
 """Reading ztunnel's local config YAML, its error messages, and reloading."""
 
 import os
+import random
 import textwrap
 from ipaddress import ip_address
 
@@ -778,3 +779,34 @@ def test_ztunnel_fields_without_effect_in_ztwisted_are_accepted():
         """))
     (workload,) = mesh.workloads
     assert (workload.uid, workload.name, workload.workload_ips) == ("w", "", ())
+
+
+def test_capacity_weighs_a_services_endpoints_as_in_ztunnel():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: big, name: big, namespace: ns, workloadIps: ["10.0.0.1"], capacity: 3, services: {"ns/s": {80: 80}}}
+        - {uid: small, name: small, namespace: ns, workloadIps: ["10.0.0.2"], services: {"ns/s": {80: 80}}}
+        - {uid: off, name: off, namespace: ns, workloadIps: ["10.0.0.3"], capacity: 0, services: {"ns/s": {80: 80}}}
+        services:
+        - {name: s, namespace: ns, hostname: s, vips: ["/10.96.0.1"], ports: {80: 80}}
+        """))
+    # Every point of the capacity range 0..3 picks an endpoint: three are big's, one is small's.
+    picks = [mesh.resolve("10.96.0.1", 80, choice=lambda options, i=i: options[i]).workload.uid for i in range(4)]
+    assert picks == ["big", "big", "big", "small"]
+    only_off = mesh.resolve("10.96.0.1", 80, choice=random.Random(1).choice)
+    assert only_off.kind == "service" and only_off.workload.uid != "off"
+    drained = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: off, name: off, namespace: ns, workloadIps: ["10.0.0.3"], capacity: 0, services: {"ns/s": {80: 80}}}
+        services:
+        - {name: s, namespace: ns, hostname: s, vips: ["/10.96.0.1"], ports: {80: 80}}
+        """))
+    assert drained.resolve("10.96.0.1", 80).kind == "unroutable"
+
+
+def test_yes_no_on_off_are_strings_as_in_ztunnels_yaml_1_2():
+    mesh = parse_config("workloads: [{uid: off, name: no, namespace: on, serviceAccount: yes, workloadIps: []}]")
+    (workload,) = mesh.workloads
+    assert (workload.uid, workload.name, workload.namespace, workload.service_account) == ("off", "no", "on", "yes")
+    assert parse_config("policies: [{name: p, namespace: ns, scope: Global, action: Deny, rules: [], dryRun: true}]"
+                        ).policies[0].dry_run is True

@@ -39,7 +39,7 @@ def comparable(dump: dict) -> dict:
             w["uid"]: {
                 "name": w["name"], "namespace": w["namespace"], "serviceAccount": w["serviceAccount"],
                 "workloadIps": sorted(w["workloadIps"]), "protocol": w["protocol"], "node": w["node"],
-                "status": w["status"], "networkMode": w["networkMode"],
+                "status": w["status"], "networkMode": w["networkMode"], "capacity": w["capacity"],
             }
             for w in dump["workloads"]
         },

@@ -554,16 +554,22 @@ class _Reader:
             "canonical": _Field("canonical", s(_bool)),
             "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
             "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, _Reader.endpoint)),
+            "loadBalancer": _Field("load_balancer", _Reader.load_balancer),
             # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
             "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
             "waypoint": _Field(None, _Reader.gateway_address),
             "weightedWaypoints": _Field(None, self.list_of(_Reader.weighted_waypoint)),
-            "loadBalancer": _Field(None, _Reader.load_balancer),
+
             "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
         })
         if fields is None:
             return _INVALID
         fields.pop(None, None)
+        balancer = fields.pop("load_balancer", None)
+        if balancer is not None:
+            # routingPreferences (and so Strict and Failover) need locality: not implemented
+            fields["load_balancer_mode"] = balancer["mode"]
+            fields["health_policy"] = balancer["health"]
         return Service(**fields)
 
     # ztunnel's nested shapes

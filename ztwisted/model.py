@@ -156,6 +156,10 @@ class Service:
     #: preferred among services sharing a hostname or VIP (see :func:`best_service`)
     canonical: bool = False
     visibility: str = "Public"  # "Public", or "Namespace": only clients in its namespace see it
+    # ztunnel's loadBalancer: "Passthrough" sends connections to the VIP itself (no endpoint is
+    # chosen); healthPolicy "AllowAll" makes unhealthy workloads endpoints too
+    load_balancer_mode: str = "Standard"
+    health_policy: str = "OnlyHealthy"
     # endpoints listed on the service itself: workload uid -> (service port -> target port, status)
     endpoints: FrozenMap[str, tuple[FrozenMap[int, int], str]] = attrs.field(
         factory=FrozenMap, converter=lambda value: FrozenMap(
@@ -318,7 +322,8 @@ class Destination:
       "service"     ip was a service VIP; `workload` is the chosen endpoint and
                     (ip, port) its address and target port
       "workload"    ip was a workload's own address
-      "passthrough" ip is not in the mesh; (ip, port) is the original address
+      "passthrough" ip is not in the mesh, or is the VIP of a service in Passthrough
+                    mode (`service`); (ip, port) is the original address
       "unroutable"  ip was a VIP but nothing can serve it; see `reason`
     """
 
@@ -452,7 +457,7 @@ class Mesh:
         out = []
         for w in self.workloads:
             ports = w.services.get(service.key)
-            healthy = w.healthy
+            healthy = w.healthy or service.health_policy == "AllowAll"
             if ports is None and w.uid in service.endpoints:
                 # Listed by the service itself (ztunnel's `endpoints`): ztunnel uses such an
                 # endpoint whatever its status says (it filters by health only the ones that
@@ -475,6 +480,8 @@ class Mesh:
         ip = _ip(ip)
         service = self.service_by_vip(ip, client_namespace)
         if service is not None:
+            if service.load_balancer_mode == "Passthrough":
+                return Destination("passthrough", ip, port, service=service)
             if port not in service.ports:
                 return Destination("unroutable", ip, port, service=service,
                                    reason=f"service {service.hostname} has no port {port}")

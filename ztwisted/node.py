@@ -457,7 +457,7 @@ def _service_dump(service, mesh) -> dict:
     }
     for workload in mesh.workloads:
         ports = workload.services.get(service.key)
-        if ports is not None and workload.healthy:
+        if ports is not None and (workload.healthy or service.health_policy == "AllowAll"):
             endpoints[workload.uid] = {
                 "workloadUid": workload.uid, "port": {str(k): v for k, v in ports.items()}, "status": workload.status}
     return {

@@ -810,3 +810,22 @@ def test_yes_no_on_off_are_strings_as_in_ztunnels_yaml_1_2():
     assert (workload.uid, workload.name, workload.namespace, workload.service_account) == ("off", "no", "on", "yes")
     assert parse_config("policies: [{name: p, namespace: ns, scope: Global, action: Deny, rules: [], dryRun: true}]"
                         ).policies[0].dry_run is True
+
+
+def test_load_balancer_passthrough_and_allow_all_as_in_ztunnel():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: sick, name: sick, namespace: ns, workloadIps: ["10.0.0.1"], status: Unhealthy,
+           services: {"ns/all": {80: 8080}, "ns/healthy": {80: 8080}}}
+        services:
+        - {name: all, namespace: ns, hostname: all, vips: ["/10.96.0.1"], ports: {80: 8080},
+           loadBalancer: {routingPreferences: [], mode: Standard, healthPolicy: AllowAll}}
+        - {name: healthy, namespace: ns, hostname: healthy, vips: ["/10.96.0.2"], ports: {80: 8080}}
+        - {name: direct, namespace: ns, hostname: direct, vips: ["/10.96.0.3"], ports: {80: 8080},
+           loadBalancer: {routingPreferences: [], mode: Passthrough, healthPolicy: OnlyHealthy}}
+        """))
+    assert mesh.resolve("10.96.0.1", 80).workload.uid == "sick"
+    assert mesh.resolve("10.96.0.2", 80).kind == "unroutable"
+    direct = mesh.resolve("10.96.0.3", 80)
+    assert (direct.kind, direct.ip, direct.port, direct.service.name) == ("passthrough", ip_address("10.96.0.3"), 80,
+                                                                          "direct")

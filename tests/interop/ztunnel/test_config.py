@@ -121,5 +121,8 @@ def test_every_field_ztunnel_accepts_is_accepted_and_read_the_same(both):
     assert theirs["services"]["default/listed.example.com"]["endpoints"] == {
         "cluster1//v1/Pod/default/waypointed": ({"80": 9090}, "Healthy")}
     assert theirs["services"]["shop/example.com"]["visibility"] == "Namespace"
+    # healthPolicy AllowAll: the unhealthy workload is an endpoint of it
+    assert theirs["services"]["shop/example.com"]["endpoints"]["cluster1//v1/Pod/default/waypointed"] == (
+        {"80": 8081}, "Unhealthy")
     assert theirs["workloads"]["cluster1//v1/Pod/kube-system/host"]["networkMode"] == "HostNetwork"
     assert len(theirs["policies"]) == 2

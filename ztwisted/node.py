@@ -64,10 +64,16 @@ class WorkloadListeners:
         self.wanted = [(ip, node.hbone_port, self.hbone.factory(), "HBONE inbound") for ip in addresses]
         if node.plaintext_port is not None:
             self.wanted += [(ip, node.plaintext_port, self.plaintext, "plaintext inbound") for ip in addresses]
+        self.redirect = None
         if in_pod and node.pod_outbound_port is not None:
-            self.wanted.append(
-                ("0.0.0.0", node.pod_outbound_port, node.outbound.redirect_factory(source=workload), "redirected outbound")
-            )
+            self.redirect = node.outbound.redirect_factory(source=workload)
+            self.wanted.append(("0.0.0.0", node.pod_outbound_port, self.redirect, "redirected outbound"))
+
+    def update(self, workload) -> None:
+        """What the node knows of the workload changed (discovery): new connections see the new one."""
+        self.workload = self.hbone.workload = self.plaintext.workload = workload
+        if self.redirect is not None:
+            self.redirect.source = workload
 
     def start(self) -> defer.Deferred:
         """Open every listener; fails (closing the ones opened) if any cannot be opened."""
@@ -168,6 +174,8 @@ class Node(service.MultiService):
         self.readiness_checks: list = []
         #: extra /config_dump sections: name -> callable returning JSON-ready data
         self.dump_sections: dict = {}
+        #: callables told of every new configuration (``observer(mesh)``), after the node applied it
+        self.mesh_observers: list = []
         self._stopping: defer.Deferred | None = None
         self._strategies_stopping: defer.Deferred | None = None
         self._drain_deadline: float | None = None
@@ -306,6 +314,16 @@ class Node(service.MultiService):
 
         return self._start_listener(workload).addErrback(failed)
 
+    def update_pod(self, workload) -> None:
+        """In-pod mode: discovery changed what is known of a running pod (its addresses, services...)."""
+        if workload.uid not in self._pods:
+            return
+        self._pods[workload.uid] = workload
+        self._local_workloads_changed()
+        listeners = self.listeners.get(workload.uid)
+        if listeners is not None:
+            listeners.update(workload)
+
     def remove_pod(self, workload, *, forget: bool = True) -> defer.Deferred:
         """*pod removed*: the strategies act, then what is left of the pod is closed.
 
@@ -343,6 +361,8 @@ class Node(service.MultiService):
         changes = diff(self.mesh, mesh)
         self.mesh = mesh
         self._local_workloads_changed()
+        for observer in self.mesh_observers:
+            observer(mesh)
         if not self.running:
             return
         if self.inpod:
@@ -415,11 +435,14 @@ class Node(service.MultiService):
 
     def config_dump(self) -> dict:
         local = {w.uid for w in self.local_workloads()}
+        # In-pod: pods served under a uid the configuration lacks (added before discovery knew them,
+        # or found there by name, namespace and service account) are listed too.
+        undiscovered = [w for w in self.local_workloads() if self.mesh.workload_by_uid(w.uid) is None]
         return {
             "node": self.node_name,
             "config_source": self.config_source,
-            "workloads": [_workload_dump(w, w.uid in local) for w in self.mesh.workloads],
-            "services": [_service_dump(s) for s in self.mesh.services],
+            "workloads": [_workload_dump(w, w.uid in local) for w in (*self.mesh.workloads, *undiscovered)],
+            "services": [_service_dump(s, self.mesh) for s in self.mesh.services],
             "policies": [{"name": p.name, "namespace": p.namespace, "scope": p.scope, "action": p.action} for p in self.mesh.policies],
             "pool": self.outbound.pool.snapshot(),
             "inbound": [
@@ -448,18 +471,34 @@ def _workload_dump(workload, local: bool) -> dict:
         "workloadIps": [str(ip) for ip in workload.workload_ips],
         "protocol": workload.protocol,
         "node": workload.node,
+        "status": workload.status,
+        "networkMode": workload.network_mode,
+        "capacity": workload.capacity,
         "identity": str(workload.identity),
         "local": local,
     }
 
 
-def _service_dump(service) -> dict:
+def _service_dump(service, mesh) -> dict:
+    # As ztunnel lists them: the ones the service names, then the healthy workloads that join it.
+    endpoints = {
+        uid: {"workloadUid": uid, "port": {str(k): v for k, v in ports.items()}, "status": status}
+        for uid, (ports, status) in service.endpoints.items()
+    }
+    for workload in mesh.workloads:
+        ports = workload.services.get(service.key)
+        if ports is not None and (workload.healthy or service.health_policy == "AllowAll"):
+            endpoints[workload.uid] = {
+                "workloadUid": workload.uid, "port": {str(k): v for k, v in ports.items()}, "status": workload.status}
     return {
         "name": service.name,
         "namespace": service.namespace,
         "hostname": service.hostname,
         "vips": [f"{network}/{ip}" for network, ip in service.vips],
         "ports": {str(k): v for k, v in service.ports.items()},
+        "canonical": service.canonical,
+        "visibility": service.visibility,
+        "endpoints": endpoints,
     }
 
 

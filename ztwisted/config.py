@@ -7,16 +7,17 @@ syntax errors put `line L, column C` in the path's place). Checks across
 entries (duplicate uids or IPs, references to services and policies) run
 once every entry is valid by itself.
 
-Where ztwisted is stricter or kinder than ztunnel:
+ztunnel's fields are all accepted; those ztwisted does not implement are
+checked and then dropped (marked below). Files ztunnel accepts are accepted;
+what is likely a mistake (duplicate keys, shared addresses, references to
+entries the file lacks) gets ztunnel's meaning and a logged warning with its
+position. Where ztwisted is stricter or kinder than ztunnel
+(docs/configuration.rst lists it for users):
   - `uid` may be omitted: it defaults to `<clusterId>//v1/Pod/<namespace>/<name>`;
-  - `name` and a non-empty `workloadIps` are required;
-  - an IP may appear once in the whole file (workload IP or service VIP);
-  - a workload's `services` keys and `authorizationPolicies` must name
-    services and policies defined in the file;
-  - ztunnel features ztwisted does not implement (waypoints, network
-    gateways, ...) are rejected by name instead of being ignored;
+  - unknown keys in a policy match are errors (ztunnel ignores them);
+  - namespaces, service accounts and trust domains must fit in a SPIFFE ID;
   - policy string matches may be written as Istio patterns ("abc*", "*abc",
-    "*"), as ztunnel's `{Exact: ...}`/`{Prefix: ...}`/... maps, or with the
+    "*"), as `{Exact: ...}`/`{Prefix: ...}`/... maps, or with ztunnel's
     `!Exact`/`!Prefix`/`!Suffix`/`!Presence` tags; principals may carry the
     `spiffe://` prefix or not.
 """
@@ -34,6 +35,7 @@ from typing import Any
 import attrs
 import yaml
 from twisted.internet import inotify
+from twisted.logger import Logger
 from twisted.python.filepath import FilePath
 
 from ztwisted.identity import InvalidSpiffeId, SpiffeId
@@ -57,6 +59,9 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
+
+
+log = Logger(namespace="ztwisted.config")
 
 
 @attrs.frozen
@@ -117,6 +122,8 @@ def parse_config(text: str, source: str = "<string>") -> Mesh:
     mesh = reader.mesh(data)
     if reader.problems:
         raise ConfigError(source, reader.problems)
+    for warning in reader.warnings:
+        log.warn("{source}: {path}: {message}", source=source, path=warning.path, message=warning.message)
     assert mesh is not None
     return mesh
 
@@ -150,6 +157,16 @@ class _Loader(yaml.SafeLoader):
                     "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# ztunnel reads YAML 1.2 (serde_yaml): only true and false are booleans, so `name: no` or
+# `namespace: on` are strings there. PyYAML follows YAML 1.1 (yes/no/on/off too); use 1.2's rule.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def _tagged(tag: str) -> Callable[[yaml.SafeLoader, yaml.Node], _Tagged]:
@@ -287,6 +304,37 @@ def _vip(value: Any) -> tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address
         raise _Bad(f"{value!r} is not \"network/ip\" (e.g. \"/10.0.0.1\")") from None
 
 
+def _count(value: Any) -> int:
+    """ztunnel's u32."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0xFFFFFFFF:
+        raise _Bad(f"expected a whole number from 0 to 4294967295, got {_describe(value)}")
+    return value
+
+
+def _port_or_zero(value: Any) -> int:
+    return 0 if value == 0 and not isinstance(value, bool) else _port(value)
+
+
+def _optional_port(value: Any) -> int | None:
+    return None if value is None else _port_or_zero(value)
+
+
+def _nonempty_string_key(value: Any) -> str:
+    return _nonempty_string(value)
+
+
+def _network_cidr(value: Any) -> str:
+    """ztunnel's NetworkCidr: {network: ..., cidr: "10.96.0.0/16"}."""
+    if not isinstance(value, dict) or set(value) != {"network", "cidr"}:
+        raise _Bad(f"expected {{network: ..., cidr: ...}}, got {_describe(value)}")
+    _string(value["network"])
+    try:
+        ipaddress.ip_network(_string(value["cidr"]), strict=False)
+    except ValueError:
+        raise _Bad(f"{value['cidr']!r} is not a CIDR range") from None
+    return value
+
+
 def _enum(*choices: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in choices or not isinstance(value, str):
@@ -353,7 +401,7 @@ def _service_account(value: Any) -> ServiceAccountMatch:
 
 @attrs.frozen
 class _Field:
-    attr: str
+    attr: str | None  # None: a ztunnel field that is checked, then dropped (no effect in ztwisted)
     read: Callable[[_Reader, Any, str], Any]
     required: bool = False
 
@@ -363,11 +411,16 @@ class _Reader:
 
     def __init__(self) -> None:
         self.problems: list[Problem] = []
+        self.warnings: list[Problem] = []
         self._derived_uids: set[int] = set()  # id() of workloads whose uid was not given
 
     def problem(self, path: str, message: str) -> object:
         self.problems.append(Problem(path, message))
         return _INVALID
+
+    def warning(self, path: str, message: str) -> None:
+        """Something ztunnel accepts that is likely a mistake: logged, the file is used."""
+        self.warnings.append(Problem(path, message))
 
     # generic shapes: each returns a reader(reader, value, path) -> value or _INVALID
 
@@ -455,18 +508,16 @@ class _Reader:
         if top is None:
             return None
         workloads, services, policies = (top.get(k, ()) for k in ("workloads", "services", "policies"))
-        if not self._cross_check(workloads, services, policies):
-            return None
-        return Mesh(workloads, services, policies)
+        return Mesh(*self._cross_check(workloads, services, policies))
 
     def workload(self, value: Any, path: str) -> Workload | object:
         s = self.scalar
         fields = self.record(value, path, {
             "uid": _Field("uid", s(_nonempty_string)),
-            "name": _Field("name", s(_nonempty_string), required=True),
+            "name": _Field("name", s(_string)),
             "namespace": _Field("namespace", s(_identity_part("namespace")), required=True),
             "serviceAccount": _Field("service_account", s(_identity_part("service account"))),
-            "workloadIps": _Field("workload_ips", self.list_of(s(_ip_address), nonempty=True), required=True),
+            "workloadIps": _Field("workload_ips", self.list_of(s(_ip_address)), required=True),
             "protocol": _Field("protocol", s(_enum("HBONE", "TCP"))),
             "node": _Field("node", s(_string)),
             "network": _Field("network", s(_string)),
@@ -481,11 +532,18 @@ class _Reader:
             "hostname": _Field("hostname", s(_string)),
             "nativeTunnel": _Field("native_tunnel", s(_bool)),
             "authorizationPolicies": _Field("authorization_policies", self.list_of(s(_policy_key))),
-        }, unsupported=frozenset({
-            "waypoint", "networkGateway", "applicationTunnel", "networkMode", "locality", "capacity",
-        }))
+            "networkMode": _Field("network_mode", s(_enum("Standard", "HostNetwork"))),
+            "capacity": _Field("capacity", s(_count)),
+            # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
+            "waypoint": _Field(None, _Reader.gateway_address),
+            "networkGateway": _Field(None, _Reader.gateway_address),
+            "applicationTunnel": _Field(None, _Reader.application_tunnel),
+            "locality": _Field(None, _Reader.locality),
+        })
         if fields is None:
             return _INVALID
+        fields.pop(None, None)
+        fields.setdefault("name", "")
         if not fields.get("trust_domain"):
             fields.pop("trust_domain", None)  # empty means cluster.local
         if not fields.get("cluster_id"):
@@ -507,8 +565,84 @@ class _Reader:
             "vips": _Field("vips", self.list_of(s(_vip))),
             "ports": _Field("ports", self.map_of(_port, s(_port)), required=True),
             "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
-        }, unsupported=frozenset({"endpoints", "waypoint", "loadBalancer", "ipFamilies", "canonical"}))
-        return _INVALID if fields is None else Service(**fields)
+            "canonical": _Field("canonical", s(_bool)),
+            "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
+            "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, _Reader.endpoint)),
+            "loadBalancer": _Field("load_balancer", _Reader.load_balancer),
+            # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
+            "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
+            "waypoint": _Field(None, _Reader.gateway_address),
+            "weightedWaypoints": _Field(None, self.list_of(_Reader.weighted_waypoint)),
+
+            "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
+        })
+        if fields is None:
+            return _INVALID
+        fields.pop(None, None)
+        balancer = fields.pop("load_balancer", None)
+        if balancer is not None:
+            # routingPreferences (and so Strict and Failover) need locality: not implemented
+            fields["load_balancer_mode"] = balancer["mode"]
+            fields["health_policy"] = balancer["health"]
+        return Service(**fields)
+
+    # ztunnel's nested shapes
+
+    def endpoint(self, value: Any, path: str) -> tuple[Any, str] | object:
+        """One of a service's ``endpoints`` (keyed by workload uid): its port map and status."""
+        fields = self.record(value, path, {
+            "workloadUid": _Field("uid", self.scalar(_nonempty_string), required=True),
+            "port": _Field("ports", self.map_of(_port, self.scalar(_port)), required=True),
+            "status": _Field("status", self.scalar(_enum("Healthy", "Unhealthy")), required=True),
+        })
+        return _INVALID if fields is None else (fields["ports"], fields["status"])
+
+    def gateway_address(self, value: Any, path: str) -> Any:
+        """ztunnel's GatewayAddress: a "network/ip" or "namespace/hostname" destination and a port."""
+        if value is None:
+            return None
+        fields = self.record(value, path, {
+            "destination": _Field("destination", self.scalar(_string), required=True),
+            "hboneMtlsPort": _Field("port", self.scalar(_port_or_zero), required=True),
+        })
+        return _INVALID if fields is None else fields
+
+    def weighted_waypoint(self, value: Any, path: str) -> Any:
+        fields = self.record(value, path, {
+            "destination": _Field("destination", _Reader.gateway_address, required=True),
+            "weight": _Field("weight", self.scalar(_count), required=True),
+        })
+        return _INVALID if fields is None else fields
+
+    def application_tunnel(self, value: Any, path: str) -> Any:
+        if value is None:
+            return None
+        fields = self.record(value, path, {
+            "protocol": _Field("protocol", self.scalar(_enum("NONE", "PROXY")), required=True),
+            "port": _Field("port", self.scalar(_optional_port)),
+        })
+        return _INVALID if fields is None else fields
+
+    def locality(self, value: Any, path: str) -> Any:
+        s = self.scalar
+        fields = self.record(value, path, {
+            "region": _Field("region", s(_string), required=True),
+            "zone": _Field("zone", s(_string), required=True),
+            "subzone": _Field("subzone", s(_string), required=True),
+        })
+        return _INVALID if fields is None else fields
+
+    def load_balancer(self, value: Any, path: str) -> Any:
+        if value is None:
+            return None
+        s = self.scalar
+        fields = self.record(value, path, {
+            "routingPreferences": _Field("routing", self.list_of(
+                s(_enum("Region", "Zone", "Subzone", "Node", "Cluster", "Network"))), required=True),
+            "mode": _Field("mode", s(_enum("Standard", "Strict", "Failover", "Passthrough")), required=True),
+            "healthPolicy": _Field("health", s(_enum("OnlyHealthy", "AllowAll")), required=True),
+        })
+        return _INVALID if fields is None else fields
 
     def policy(self, value: Any, path: str) -> Policy | object:
         s = self.scalar
@@ -542,44 +676,66 @@ class _Reader:
     # checks across entries (they run once every entry is valid by itself)
 
     def _cross_check(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
-                     policies: tuple[Policy, ...]) -> bool:
-        before = len(self.problems)
-        uids: dict[str, int] = {}
+                     policies: tuple[Policy, ...]) -> tuple[tuple[Workload, ...], tuple[Service, ...], tuple[Policy, ...]]:
+        """What ztunnel makes of entries that collide or refer to nothing, each with a warning.
+
+        ztunnel accepts such files: a later workload, service or policy with the
+        same key replaces the earlier one; addresses may be shared (see
+        ``Mesh``); references to what the file lacks have no effect.
+        """
+        workloads = self._last_wins(workloads, "workloads", lambda w: w.uid, lambda w, i: (
+            f"duplicate uid {w.uid!r}" + (" (uid not set: made from clusterId, namespace and name)"
+                                          if id(w) in self._derived_uids else "")), "uid")
+        services = self._last_wins(services, "services", lambda s: s.key,
+                                   lambda s, i: f"duplicate service {s.key!r}")
+        policies = self._last_wins(policies, "policies", lambda p: p.key,
+                                   lambda p, i: f"duplicate policy {p.key!r}")
         ips: dict[Any, str] = {}
         for i, w in enumerate(workloads):
-            if w.uid in uids:
-                derived = " (uid not set: made from clusterId, namespace and name)" if id(w) in self._derived_uids else ""
-                self.problem(f"workloads[{i}].uid",
-                             f"duplicate uid {w.uid!r}{derived}; also used by workloads[{uids[w.uid]}]")
-            uids.setdefault(w.uid, i)
-            for j, ip in enumerate(w.workload_ips):
+            for j, ip in enumerate(() if w.network_mode == "HostNetwork" else w.workload_ips):
                 if ip in ips:
-                    self.problem(f"workloads[{i}].workloadIps[{j}]", f"{ip} is already used by {ips[ip]}")
-                ips.setdefault(ip, f"workloads[{i}] (uid {w.uid!r})")
-        service_keys: dict[str, int] = {}
+                    self.warning(f"workloads[{i}].workloadIps[{j}]",
+                                 f"{ip} is also the address of {ips[ip]}; as in ztunnel, a connection from it is "
+                                 "attributed to one of them: a pod (uid with \"//Pod/\") first, then HBONE, else the last")
+                ips.setdefault(ip, f"workload {w.uid!r}")
+        vips: dict[Any, dict[str, str]] = {}  # VIP -> namespace -> the service that has it there
         for i, svc in enumerate(services):
-            if svc.key in service_keys:
-                self.problem(f"services[{i}]", f"duplicate service {svc.key!r} (also services[{service_keys[svc.key]}])")
-            service_keys.setdefault(svc.key, i)
             for j, (_network, ip) in enumerate(svc.vips):
                 if ip in ips:
-                    self.problem(f"services[{i}].vips[{j}]", f"{ip} is already used by {ips[ip]}")
-                ips.setdefault(ip, f"services[{i}] ({svc.key!r})")
-        policy_keys: dict[str, int] = {}
-        for i, p in enumerate(policies):
-            if p.key in policy_keys:
-                self.problem(f"policies[{i}]", f"duplicate policy {p.key!r} (also policies[{policy_keys[p.key]}])")
-            policy_keys.setdefault(p.key, i)
+                    self.warning(f"services[{i}].vips[{j}]",
+                                 f"{ip} is also the address of {ips[ip]}; as in ztunnel, connections to it go to "
+                                 "the service")
+                owners = vips.setdefault(ip, {})
+                if svc.namespace in owners:
+                    self.warning(f"services[{i}].vips[{j}]",
+                                 f"{ip} is also a VIP of {owners[svc.namespace]} in the same namespace; as in ztunnel, "
+                                 "this later service takes it")
+                owners[svc.namespace] = f"service {svc.key!r}"
+        service_keys = {svc.key for svc in services}
+        policy_keys = {p.key for p in policies}
         for i, w in enumerate(workloads):
             for key in w.services:
                 if key not in service_keys:
                     namespace, _, hostname = key.partition("/")
-                    self.problem(_map_key_path(f"workloads[{i}].services", key),
-                                 f"no service with namespace {namespace!r} and hostname {hostname!r} in services")
+                    self.warning(_map_key_path(f"workloads[{i}].services", key),
+                                 f"no service with namespace {namespace!r} and hostname {hostname!r} in services; "
+                                 "as in ztunnel, this has no effect")
             for j, key in enumerate(w.authorization_policies):
                 if key not in policy_keys:
-                    self.problem(f"workloads[{i}].authorizationPolicies[{j}]", f"no policy {key!r} in policies")
-        return len(self.problems) == before
+                    self.warning(f"workloads[{i}].authorizationPolicies[{j}]",
+                                 f"no policy {key!r} in policies; as in ztunnel, it selects nothing")
+        return workloads, services, policies
+
+    def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], str],
+                   describe: Callable[[Any, int], str], field: str | None = None) -> tuple:
+        """``entries`` without those a later entry with the same key replaces (ztunnel's rule), warned about."""
+        last = {key(entry): i for i, entry in enumerate(entries)}
+        for i, entry in enumerate(entries):
+            if last[key(entry)] != i:
+                where = f"{section}[{i}]" + (f".{field}" if field else "")
+                self.warning(where, f"{describe(entry, i)}: {section}[{last[key(entry)]}] replaces this entry, "
+                                    "as in ztunnel")
+        return tuple(entry for i, entry in enumerate(entries) if last[key(entry)] == i)
 
 
 # --- reloading --------------------------------------------------------------

@@ -23,12 +23,16 @@ class ConfigDump:
 
     def __call__(self) -> dict:
         mesh = self.node.workloads.mesh
-        local = {w.uid for w in self.node.workloads.all()}
+        local_workloads = self.node.workloads.all()
+        local = {w.uid for w in local_workloads}
+        # In-pod: pods served under a uid the configuration lacks (added before discovery knew them,
+        # or found there by name, namespace and service account) are listed too.
+        undiscovered = [w for w in local_workloads if mesh.workload_by_uid(w.uid) is None]
         return {
             "node": self.node_name,
             "config_source": self.config_source,
-            "workloads": [_workload_dump(w, w.uid in local) for w in mesh.workloads],
-            "services": [_service_dump(s) for s in mesh.services],
+            "workloads": [_workload_dump(w, w.uid in local) for w in (*mesh.workloads, *undiscovered)],
+            "services": [_service_dump(s, mesh) for s in mesh.services],
             "policies": [{"name": p.name, "namespace": p.namespace, "scope": p.scope, "action": p.action} for p in mesh.policies],
             "pool": self.node.outbound.pool.snapshot(),
             "inbound": [
@@ -58,16 +62,32 @@ def _workload_dump(workload, local: bool) -> dict:
         "workloadIps": [str(ip) for ip in workload.workload_ips],
         "protocol": workload.protocol,
         "node": workload.node,
+        "status": workload.status,
+        "networkMode": workload.network_mode,
+        "capacity": workload.capacity,
         "identity": str(workload.identity),
         "local": local,
     }
 
 
-def _service_dump(service) -> dict:
+def _service_dump(service, mesh) -> dict:
+    # As ztunnel lists them: the ones the service names, then the healthy workloads that join it.
+    endpoints = {
+        uid: {"workloadUid": uid, "port": {str(k): v for k, v in ports.items()}, "status": status}
+        for uid, (ports, status) in service.endpoints.items()
+    }
+    for workload in mesh.workloads:
+        ports = workload.services.get(service.key)
+        if ports is not None and (workload.healthy or service.health_policy == "AllowAll"):
+            endpoints[workload.uid] = {
+                "workloadUid": workload.uid, "port": {str(k): v for k, v in ports.items()}, "status": workload.status}
     return {
         "name": service.name,
         "namespace": service.namespace,
         "hostname": service.hostname,
         "vips": [f"{network}/{ip}" for network, ip in service.vips],
         "ports": {str(k): v for k, v in service.ports.items()},
+        "canonical": service.canonical,
+        "visibility": service.visibility,
+        "endpoints": endpoints,
     }

@@ -31,10 +31,16 @@ class WorkloadListeners:
         self.wanted = [(ip, settings.hbone_port, self.hbone.factory(), "HBONE inbound") for ip in addresses]
         if settings.plaintext_port is not None:
             self.wanted += [(ip, settings.plaintext_port, self.plaintext, "plaintext inbound") for ip in addresses]
+        self.redirect = None
         if in_pod and settings.pod_outbound_port is not None:
-            self.wanted.append(
-                ("0.0.0.0", settings.pod_outbound_port, outbound.redirect_factory(source=workload), "redirected outbound")
-            )
+            self.redirect = outbound.redirect_factory(source=workload)
+            self.wanted.append(("0.0.0.0", settings.pod_outbound_port, self.redirect, "redirected outbound"))
+
+    def update(self, workload: Workload) -> None:
+        """What the node knows of the workload changed (discovery): new connections see the new one."""
+        self.workload = self.hbone.workload = self.plaintext.workload = workload
+        if self.redirect is not None:
+            self.redirect.source = workload
 
     def start(self) -> defer.Deferred:
         """Open every listener; fails (closing the ones opened) if any cannot be opened."""

@@ -33,6 +33,15 @@ TRAFFIC_LABELS = (
 )
 
 
+def _workload_label(workload: Any) -> str | None:
+    """ztunnel's ``*_workload`` label: the workload's ``workloadName`` (its deployment, say).
+
+    Where that is not set ztunnel says "unknown"; ztwisted falls back to the
+    workload's own ``name``, which identifies it better.
+    """
+    return getattr(workload, "workload_name", "") or getattr(workload, "name", None)
+
+
 def _label(value: object) -> str:
     if value is None or value == "":
         return UNKNOWN
@@ -69,17 +78,18 @@ class ConnectionLabels:
     ) -> ConnectionLabels:
         """Build labels from workload/service objects.
 
-        Workloads are read through ``name`` and ``namespace``, a service
-        through ``hostname``; identities through ``str()``. Any may be None.
+        Workloads are read through ``workload_name`` (else ``name``) and
+        ``namespace``, a service through ``hostname``; identities through
+        ``str()``. Any may be None.
         """
         if reporter not in ("source", "destination"):
             raise ValueError(f"reporter must be 'source' or 'destination', not {reporter!r}")
         return cls(
             reporter=reporter,
-            source_workload=getattr(source, "name", None),
+            source_workload=_workload_label(source),
             source_workload_namespace=getattr(source, "namespace", None),
             source_principal=None if source_identity is None else str(source_identity),
-            destination_workload=getattr(destination, "name", None),
+            destination_workload=_workload_label(destination),
             destination_workload_namespace=getattr(destination, "namespace", None),
             destination_principal=(
                 None if destination_identity is None else str(destination_identity)

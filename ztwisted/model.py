@@ -2,13 +2,17 @@
 
 Plain immutable data. `ztwisted.config` builds it from YAML (and reports
 problems with file positions); this module only offers construction helpers
-and the lookups the proxy needs. Addresses form one flat space: an IP is either
-one workload's address or one service's VIP, never both, whatever the network.
+and the lookups the proxy needs. Addresses form one flat space, whatever the
+network; as in ztunnel, workloads may share an address (one is chosen), and a
+VIP may be shared by services of different namespaces and be a workload's
+address too (a connection to it goes to the service).
 """
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
+import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -117,6 +121,8 @@ class Workload:
     workload_type: str = ""
     hostname: str = ""
     native_tunnel: bool = False
+    network_mode: str = "Standard"  # "HostNetwork": its IPs are the node's, so nobody is found by them
+    capacity: int = 1  # its weight among a service's endpoints
     # "namespace/name" keys of WorkloadSelector policies that select this workload
     authorization_policies: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
 
@@ -147,11 +153,47 @@ class Service:
     vips: tuple[tuple[str, IPAddress], ...] = attrs.field(default=(), converter=_vips)
     ports: FrozenMap[int, int] = attrs.field(factory=FrozenMap, converter=_port_map)
     subject_alt_names: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    #: preferred among services sharing a hostname or VIP (see :func:`best_service`)
+    canonical: bool = False
+    visibility: str = "Public"  # "Public", or "Namespace": only clients in its namespace see it
+    # ztunnel's loadBalancer: "Passthrough" sends connections to the VIP itself (no endpoint is
+    # chosen); healthPolicy "AllowAll" makes unhealthy workloads endpoints too
+    load_balancer_mode: str = "Standard"
+    health_policy: str = "OnlyHealthy"
+    # endpoints listed on the service itself: workload uid -> (service port -> target port, status)
+    endpoints: FrozenMap[str, tuple[FrozenMap[int, int], str]] = attrs.field(
+        factory=FrozenMap, converter=lambda value: FrozenMap(
+            (uid, (_port_map(ports), status)) for uid, (ports, status) in value.items()))
 
     @property
     def key(self) -> str:
         """The "namespace/hostname" key workloads use to join this service."""
         return f"{self.namespace}/{self.hostname}"
+
+    def visible_to(self, client_namespace: str | None) -> bool:
+        return client_namespace is None or self.visibility != "Namespace" or self.namespace == client_namespace
+
+
+def _address_rank(workload: Workload) -> tuple[bool, bool]:
+    """Which of the workloads sharing an address it belongs to (ztunnel's ranking; higher wins)."""
+    return "//Pod/" in workload.uid, workload.protocol == "HBONE"
+
+
+def best_service(candidates: Iterable[Service], client_namespace: str | None = None) -> Service | None:
+    """ztunnel's choice among services that share a hostname or a VIP (``ServiceMatch``).
+
+    Services the client may not see are skipped; then one in the client's own
+    namespace wins, else the last one marked ``canonical``, else the first.
+    """
+    chosen: Service | None = None
+    for service in candidates:
+        if not service.visible_to(client_namespace):
+            continue
+        if client_namespace is not None and service.namespace == client_namespace:
+            return service
+        if service.canonical or chosen is None:
+            chosen = service
+    return chosen
 
 
 @attrs.frozen
@@ -280,7 +322,8 @@ class Destination:
       "service"     ip was a service VIP; `workload` is the chosen endpoint and
                     (ip, port) its address and target port
       "workload"    ip was a workload's own address
-      "passthrough" ip is not in the mesh; (ip, port) is the original address
+      "passthrough" ip is not in the mesh, or is the VIP of a service in Passthrough
+                    mode (`service`); (ip, port) is the original address
       "unroutable"  ip was a VIP but nothing can serve it; see `reason`
     """
 
@@ -310,7 +353,7 @@ class MeshDiff:
 class Mesh:
     """Everything the local configuration describes, with lookups.
 
-    Construction checks uniqueness (uids, IPs, service keys, policy keys) and
+    Construction checks uniqueness (uids, service keys, policy keys) and
     raises ValueError; `ztwisted.config` checks first, with file positions.
     """
 
@@ -319,8 +362,9 @@ class Mesh:
     policies: tuple[Policy, ...] = attrs.field(default=(), converter=_tuple)
     _by_uid: dict[str, Workload] = attrs.field(init=False, eq=False, repr=False, hash=False)
     _by_ip: dict[IPAddress, Workload] = attrs.field(init=False, eq=False, repr=False, hash=False)
-    _by_vip: dict[IPAddress, Service] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _by_vip: dict[IPAddress, list[Service]] = attrs.field(init=False, eq=False, repr=False, hash=False)
     _by_key: dict[str, Service] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _by_hostname: dict[str, list[Service]] = attrs.field(init=False, eq=False, repr=False, hash=False)
     _policies_by_key: dict[str, Policy] = attrs.field(init=False, eq=False, repr=False, hash=False)
 
     def __attrs_post_init__(self) -> None:
@@ -330,20 +374,29 @@ class Mesh:
             if w.uid in by_uid:
                 raise ValueError(f"duplicate workload uid {w.uid!r}")
             by_uid[w.uid] = w
+            if w.network_mode == "HostNetwork":
+                continue  # ztunnel does not index them by address either
             for ip in w.workload_ips:
-                if ip in by_ip:
-                    raise ValueError(f"IP {ip} is used by workloads {by_ip[ip].uid!r} and {w.uid!r}")
-                by_ip[ip] = w
-        by_vip: dict[IPAddress, Service] = {}
+                # Several may share an address; ztunnel's choice: a Kubernetes pod, in HBONE, the last.
+                if ip not in by_ip or _address_rank(w) >= _address_rank(by_ip[ip]):
+                    by_ip[ip] = w
+        by_vip: dict[IPAddress, list[Service]] = {}
         by_key: dict[str, Service] = {}
+        by_hostname: dict[str, list[Service]] = {}
         for s in self.services:
             if s.key in by_key:
                 raise ValueError(f"duplicate service {s.key!r}")
             by_key[s.key] = s
+            by_hostname.setdefault(s.hostname, []).append(s)
             for _network, ip in s.vips:
-                if ip in by_vip or ip in by_ip:
-                    raise ValueError(f"VIP {ip} of service {s.key!r} is already in use")
-                by_vip[ip] = s
+                # Services may share a VIP, as in ztunnel: one per namespace (a later one takes
+                # the earlier one's place); best_service chooses for each client.
+                sharing = by_vip.setdefault(ip, [])
+                same_namespace = [k for k, other in enumerate(sharing) if other.namespace == s.namespace]
+                if same_namespace:
+                    sharing[same_namespace[0]] = s
+                else:
+                    sharing.append(s)
         policies: dict[str, Policy] = {}
         for p in self.policies:
             if p.key in policies:
@@ -353,6 +406,7 @@ class Mesh:
         object.__setattr__(self, "_by_ip", by_ip)
         object.__setattr__(self, "_by_vip", by_vip)
         object.__setattr__(self, "_by_key", by_key)
+        object.__setattr__(self, "_by_hostname", by_hostname)
         object.__setattr__(self, "_policies_by_key", policies)
 
     def workload_by_ip(self, ip: IPAddress | str) -> Workload | None:
@@ -361,27 +415,30 @@ class Mesh:
     def workload_by_uid(self, uid: str) -> Workload | None:
         return self._by_uid.get(uid)
 
-    def service_by_vip(self, ip: IPAddress | str) -> Service | None:
-        return self._by_vip.get(_ip(ip))
+    def service_by_vip(self, ip: IPAddress | str, client_namespace: str | None = None) -> Service | None:
+        """The service at VIP `ip`; several may share it: the best for a client in `client_namespace`."""
+        return best_service(self._by_vip.get(_ip(ip), ()), client_namespace)
 
-    def service_by_hostname(self, hostname: str, namespace: str | None = None) -> Service | None:
-        """The service with that hostname (in `namespace`, if given)."""
+    def service_by_hostname(self, hostname: str, namespace: str | None = None,
+                            client_namespace: str | None = None) -> Service | None:
+        """The service with that hostname in `namespace`, if given; else the best for a client in
+        `client_namespace` among those sharing the hostname (see :func:`best_service`)."""
         if namespace is not None:
             return self._by_key.get(f"{namespace}/{hostname}")
-        for s in self.services:
-            if s.hostname == hostname:
-                return s
-        return None
+        return best_service(self._by_hostname.get(hostname, ()), client_namespace)
 
     def policy(self, key: str) -> Policy | None:
         """The policy with key "namespace/name"."""
         return self._policies_by_key.get(key)
 
     def local_workloads(self, node: str | None) -> tuple[Workload, ...]:
-        """Workloads this node serves. No node given (None or "") means all."""
-        if not node:
-            return self.workloads
-        return tuple(w for w in self.workloads if w.node == node)
+        """Workloads this node serves. No node given (None or "") means all.
+
+        A ``HostNetwork`` workload is never one: its addresses are its node's,
+        and it is outside the mesh's capture (as in ztunnel).
+        """
+        return tuple(w for w in self.workloads
+                     if (not node or w.node == node) and w.network_mode != "HostNetwork")
 
     def endpoints(self, service: Service, service_port: int | None = None) -> list[tuple[Workload, int]]:
         """Healthy workloads behind `service`, each with its target port.
@@ -400,7 +457,13 @@ class Mesh:
         out = []
         for w in self.workloads:
             ports = w.services.get(service.key)
-            if ports is None or not w.healthy or not w.workload_ips:
+            healthy = w.healthy or service.health_policy == "AllowAll"
+            if ports is None and w.uid in service.endpoints:
+                # Listed by the service itself (ztunnel's `endpoints`): ztunnel uses such an
+                # endpoint whatever its status says (it filters by health only the ones that
+                # workloads bring), and so does ztwisted.
+                ports, healthy = service.endpoints[w.uid][0], True
+            if ports is None or not healthy or not w.workload_ips:
                 continue
             out.append((w, ports.get(service_port, service.ports[service_port])))
         return out
@@ -410,24 +473,39 @@ class Mesh:
         ip: IPAddress | str,
         port: int,
         choice: Callable[[Sequence[tuple[Workload, int]]], tuple[Workload, int]] = random.choice,
+        client_namespace: str | None = None,
     ) -> Destination:
-        """Where a connection to ip:port goes: a service endpoint, a workload, or out."""
+        """Where a connection to ip:port from a client in `client_namespace` goes: a service endpoint,
+        a workload, or out."""
         ip = _ip(ip)
-        service = self._by_vip.get(ip)
+        service = self.service_by_vip(ip, client_namespace)
         if service is not None:
+            if service.load_balancer_mode == "Passthrough":
+                return Destination("passthrough", ip, port, service=service)
             if port not in service.ports:
                 return Destination("unroutable", ip, port, service=service,
                                    reason=f"service {service.hostname} has no port {port}")
-            endpoints = self.endpoints(service, port)
+            # ztunnel weighs endpoints by capacity: one with capacity 0 is never chosen.
+            endpoints = [e for e in self.endpoints(service, port) if e[0].capacity > 0]
             if not endpoints:
                 return Destination("unroutable", ip, port, service=service,
                                    reason=f"service {service.hostname} has no healthy endpoints")
-            workload, target_port = choice(endpoints)
+            workload, target_port = _weighted(endpoints, choice)
             return Destination("service", workload.ip_for(ip), target_port, workload=workload, service=service)
         workload = self._by_ip.get(ip)
         if workload is not None:
             return Destination("workload", ip, port, workload=workload)
         return Destination("passthrough", ip, port)
+
+
+def _weighted(endpoints: Sequence[tuple[Workload, int]],
+              choice: Callable[[Sequence[Any]], Any]) -> tuple[Workload, int]:
+    """One endpoint, with a chance in proportion to its workload's capacity (ztunnel's rule)."""
+    capacities = [workload.capacity for workload, _ in endpoints]
+    if len(set(capacities)) == 1:
+        return choice(endpoints)
+    cumulative = list(itertools.accumulate(capacities))
+    return endpoints[bisect.bisect_right(cumulative, choice(range(cumulative[-1])))]
 
 
 def diff(old: Mesh, new: Mesh) -> MeshDiff:

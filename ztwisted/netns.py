@@ -185,6 +185,8 @@ def call_in_netns(path: str, fn: Callable[[], T], *, timeout: float = 30.0) -> T
     thread = threading.Thread(target=run, name=f"netns {path}", daemon=True)
     thread.start()
     thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)} in {path} did not return within {timeout} s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result")

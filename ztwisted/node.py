@@ -61,6 +61,14 @@ class Node(service.MultiService):
 
         return self.start_listener(workload).addErrback(failed)
 
+    def update_pod(self, workload: Workload) -> None:
+        """In-pod mode: discovery changed what is known of a running pod (its addresses, services...)."""
+        if not self.workloads.update_pod(workload):
+            return
+        listeners = self.listeners.get(workload.uid)
+        if listeners is not None:
+            listeners.update(workload)
+
     def close_workload(self, workload: Workload, forget: bool) -> defer.Deferred:
         """Close ``workload``'s listeners; with ``forget``, drop its pod network and stop renewing
         its certificate. Connections are the drain controller's (they are ended before this)."""

@@ -29,6 +29,8 @@ class LocalWorkloads:
     _by_ip: dict[str, Workload] | None = None
     #: called whenever the local workloads may have changed (e.g. to request their certificates)
     on_local_workloads_changed: list[Callable[[], object]] = attrs.field(factory=list)
+    #: told of every new configuration (``observer(mesh)``), once it is the current one
+    on_mesh_replaced: list[Callable[[Mesh], object]] = attrs.field(factory=list)
 
     def all(self) -> tuple[Workload, ...]:
         if self.inpod:
@@ -57,6 +59,14 @@ class LocalWorkloads:
         self._networks[workload.uid] = network
         self._changed()
 
+    def update_pod(self, workload: Workload) -> bool:
+        """What discovery says of a served pod changed; False if it is not served (any more)."""
+        if workload.uid not in self._pods:
+            return False
+        self._pods[workload.uid] = workload
+        self._changed()
+        return True
+
     def withdraw(self, workload: Workload) -> None:
         """No longer local from now on (a pod being removed); its pod network stays until :meth:`forget`."""
         self._removed_uids.add(workload.uid)
@@ -73,6 +83,8 @@ class LocalWorkloads:
         """A reloaded configuration (withdrawn workloads stay withdrawn until :meth:`end_withdrawals`)."""
         self.mesh = mesh
         self._changed()
+        for observer in self.on_mesh_replaced:
+            observer(mesh)
 
     def end_withdrawals(self) -> None:
         """A workload withdrawn while the configuration listed it (by the admin API) stays

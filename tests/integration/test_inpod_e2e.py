@@ -459,3 +459,47 @@ def test_plaintext_inbound_to_the_proxys_own_port_is_refused(network, nodes, ech
                             what="node 2's access log of the self-call")
     assert refused["dst.addr"] == f"{POD_B_IP}:15008" and refused["outcome"] == "refused", refused
     assert refused["error"] == "self-call: port 15008 is the proxy's own", refused
+
+
+# -- 6. an Add before discovery knows the pod --------------------------------------------------------
+
+
+def test_pod_added_before_discovery_is_captured_at_once_and_discovery_fills_in_later(tmp_path, network, nodes, echo_b):
+    """As in ztunnel, the agent's workload info alone starts pod B's proxy: node 2's configuration does not
+    describe pod B yet, the Add is acked, B's listeners open and A's tunnel to B is served with B's identity.
+    When node 2's configuration gains pod B, the proxy takes its addresses from there."""
+    pod_a, pod_b = network.pods["a"], network.pods["b"]
+    node2_config = tmp_path / "node2-mesh.yaml"
+    node2_config.write_text(mesh_workloads(pod_a.mesh_entry("node-1")))  # discovery on node 2: no pod B
+    node1 = nodes(1)
+    node2 = InpodNode(tmp_path, 2, NET, config=node2_config, state_dir=tmp_path / "state").start()
+    try:
+        serve_pod(node1, pod_a)
+        serve_pod(node2, pod_b)  # asserts the Add was acked with success and readiness turned 200
+        assert set(pod_listeners(pod_b)) >= POD_PORTS
+        (served,) = [w for w in node2.proxy.config_dump()["workloads"] if w["uid"] == pod_b.uid]
+        assert served["local"] and served["workloadIps"] == [] and served["identity"] == POD_B_IDENTITY
+
+        report = roundtrip(pod_a, POD_B_IP, APP_PORT, 100_000)
+        assert report["exact"], report
+        (inn,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
+                            what="node 2's access log")
+        assert inn["dst.addr"] == f"{POD_B_IP}:{APP_PORT}" and inn["dst.workload"] == "pod-b" and "error" not in inn
+        assert inn["src.identity"] == POD_A_IDENTITY and inn["dst.identity"] == POD_B_IDENTITY
+
+        # Discovery catches up: the running proxy learns pod B's address, and keeps serving.
+        replacement = tmp_path / "node2-mesh.yaml.new"
+        replacement.write_text(mesh_workloads(pod_a.mesh_entry("node-1"), pod_b.mesh_entry("node-2")))
+        replacement.rename(node2_config)
+
+        def discovered():
+            (entry,) = [w for w in node2.proxy.config_dump()["workloads"] if w["uid"] == pod_b.uid]
+            return entry if entry["workloadIps"] == [POD_B_IP] else None
+
+        entry = wait_until(discovered, timeout=POD_WAIT_SECONDS, what="node 2 to apply pod B's discovery")
+        assert entry["local"]
+        report = roundtrip(pod_a, POD_B_IP, APP_PORT, 100_000)
+        assert report["exact"], report
+        assert len(events(node2, scope="access", direction="inbound")) == 2
+    finally:
+        node2.stop()

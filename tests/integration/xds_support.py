@@ -3,7 +3,7 @@
 The probes run as this module's command line inside a namespace
 (``ip netns exec NS python -m tests.integration.xds_support http|socks ...``)
 and print one JSON line; that part uses the standard library and
-``ztwisted.harness`` (standard library only) alone.
+``ztwisted.tools.harness`` (standard library only) alone.
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ def binaries(archive: Path) -> dict[str, Path]:
     return {"ztunnel": bin_dir / "ztunnel", "inpodserver": bin_dir / "inpodserver"}
 
 
+def fake_ca_root_dir(archive: Path) -> Path:
+    """ztunnel's ``src/tls``: the test root ``FAKE_CA`` signs with (``root-cert.pem``, key ``ca-key.pem``)."""
+    return cache_dir(archive) / "tls"
+
+
 def cached(archive: Path) -> bool:
     return all(path.is_file() and os.access(path, os.X_OK) for path in binaries(archive).values())
 
@@ -107,7 +112,7 @@ def build(archive: Path) -> dict[str, Path]:
     shutil.copy2(out / "ztunnel", bin_dir / "ztunnel")
     shutil.copy2(out / "examples" / "inpodserver", bin_dir / "inpodserver")
     # The test root that FAKE_CA signs with, for ztwisted's plug-in CA.
-    shutil.copytree(source / "src" / "tls", cache / "tls", dirs_exist_ok=True)
+    shutil.copytree(source / "src" / "tls", fake_ca_root_dir(archive), dirs_exist_ok=True)
     shutil.copytree(source / "examples", cache / "examples", dirs_exist_ok=True)
     minutes = (time.monotonic() - started) / 60
     print(f"ztunnel built in {minutes:.1f} min: {bin_dir}", file=sys.stderr, flush=True)

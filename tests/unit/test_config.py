@@ -1,12 +1,14 @@
 """Reading ztunnel's local config YAML, its error messages, and reloading."""
 
 import os
+import random
 import textwrap
 from ipaddress import ip_address
 
 import pytest
 import pytest_twisted
 from twisted.internet import defer, inotify, reactor, task
+from twisted.logger import capturedLogs, formatEvent
 from twisted.python.filepath import FilePath
 
 from ztwisted.authz import authorize
@@ -277,8 +279,6 @@ def test_match_forms():
          "mesh.yaml: workloads[1].workloadIps[0]: '10.0.0.300' is not an IP address"),
         ("workloads: [{name: b, namespace: default, workloadIps: [10]}]",
          "mesh.yaml: workloads[0].workloadIps[0]: expected an IP address, got an integer (10)"),
-        ("workloads: [{name: b, namespace: default, workloadIps: []}]",
-         "mesh.yaml: workloads[0].workloadIps: must list at least one entry"),
         ("workloads: [{name: b, namespace: default, workloadIps: '10.0.0.1'}]",
          "mesh.yaml: workloads[0].workloadIps: expected a list, got a string ('10.0.0.1')"),
         ("workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], protocol: HTTP}]",
@@ -289,8 +289,6 @@ def test_match_forms():
          "mesh.yaml: workloads[0].nativeTunnel: expected true or false, got a string ('yes')"),
         ("workloads: [{name: 7, namespace: default, workloadIps: ['10.0.0.1']}]",
          "mesh.yaml: workloads[0].name: expected a string, got an integer (7)"),
-        ("workloads: [{name: '', namespace: default, workloadIps: ['10.0.0.1']}]",
-         "mesh.yaml: workloads[0].name: must not be empty"),
         ("workloads: [{name: a, namespace: 'my ns', workloadIps: ['10.0.0.1']}]",
          "mesh.yaml: workloads[0].namespace: namespace 'my ns' may only contain letters, digits, '.', '-' and '_'"),
         ("workloads: [{name: a, namespace: ns, serviceAccount: 'a/b', workloadIps: ['10.0.0.1']}]",
@@ -338,10 +336,19 @@ def test_match_forms():
          "mesh.yaml: workloads[0].protocl: unknown key (did you mean 'protocol'?)"),
         ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], colour: blue}]",
          "mesh.yaml: workloads[0].colour: unknown key"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], waypoint: {}}]",
-         "mesh.yaml: workloads[0].waypoint: not supported by ztwisted"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, loadBalancer: {}}]",
-         "mesh.yaml: services[0].loadBalancer: not supported by ztwisted"),
+        # ztunnel's fields that ztwisted ignores are still checked as ztunnel checks them
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], waypoint: {destination: /10.0.0.9}}]",
+         "mesh.yaml: workloads[0].waypoint.hboneMtlsPort: required field is missing"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, loadBalancer: {mode: Strict, healthPolicy: AllowAll, routingPreferences: [Planet]}}]",
+         "mesh.yaml: services[0].loadBalancer.routingPreferences[0]: 'Planet' is not one of Region, Zone, Subzone, Node, Cluster, Network"),
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], capacity: -1}]",
+         "mesh.yaml: workloads[0].capacity: expected a whole number from 0 to 4294967295, got an integer (-1)"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, cidrVips: ['/10.0.0.0/8']}]",
+         "mesh.yaml: services[0].cidrVips[0]: expected {network: ..., cidr: ...}, got a string ('/10.0.0.0/8')"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, endpoints: {u: {workloadUid: u, port: {}}}}]",
+         "mesh.yaml: services[0].endpoints[\"u\"].status: required field is missing"),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, visibility: Private}]",
+         "mesh.yaml: services[0].visibility: 'Private' is not one of Public, Namespace"),
         ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principal: [x]}]]]}]",
          "mesh.yaml: policies[0].rules[0][0][0].principal: unknown key (did you mean 'principals'?)"),
         ("workload: []", "mesh.yaml: workload: unknown key (did you mean 'workloads'?)"),
@@ -363,28 +370,6 @@ def test_match_forms():
          "mesh.yaml: line 3, column 3: invalid YAML: duplicate key 'name' (while reading a mapping)"),
         ("workloads: !Foo x", ("mesh.yaml: line 1, column 12: invalid YAML: could not determine a constructor "
                               "for the tag '!Foo'")),
-        # checks across entries
-        ("workloads:\n" + GOOD_WORKLOAD + GOOD_WORKLOAD.replace("10.0.0.1", "10.0.0.2"),
-         ("mesh.yaml: workloads[1].uid: duplicate uid 'Kubernetes//v1/Pod/default/a' (uid not set: made from "
-         "clusterId, namespace and name); also used by workloads[0]")),
-        (("workloads: [{uid: x, name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
-         " {uid: x, name: b, namespace: ns, workloadIps: ['10.0.0.2']}]"),
-         "mesh.yaml: workloads[1].uid: duplicate uid 'x'; also used by workloads[0]"),
-        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
-         " {name: b, namespace: ns, workloadIps: ['10.0.0.2', '10.0.0.1']}]"),
-         "mesh.yaml: workloads[1].workloadIps[1]: 10.0.0.1 is already used by workloads[0] (uid 'Kubernetes//v1/Pod/ns/a')"),
-        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']}]\n"
-         "services: [{name: s, namespace: ns, hostname: h, vips: ['/10.0.0.1'], ports: {}}]"),
-         "mesh.yaml: services[0].vips[0]: 10.0.0.1 is already used by workloads[0] (uid 'Kubernetes//v1/Pod/ns/a')"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}}, {name: t, namespace: ns, hostname: h, ports: {}}]",
-         "mesh.yaml: services[1]: duplicate service 'ns/h' (also services[0])"),
-        (("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: []},"
-         " {name: p, namespace: ns, scope: Global, action: Deny, rules: []}]"),
-         "mesh.yaml: policies[1]: duplicate policy 'ns/p' (also policies[0])"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 8080}}}]",
-         "mesh.yaml: workloads[0].services[\"ns/echo\"]: no service with namespace 'ns' and hostname 'echo' in services"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [ns/p]}]",
-         "mesh.yaml: workloads[0].authorizationPolicies[0]: no policy 'ns/p' in policies"),
     ],
 )
 def test_error_messages(text, expected):
@@ -675,3 +660,245 @@ def test_watcher_follows_a_configmap_style_symlink_swap(tmp_path):
         assert (kind, names(mesh)) == ("change", ["v2"])
     finally:
         watcher.stop()
+
+
+# --- ztunnel's fields that change what ztwisted does --------------------------------------------
+
+SHARED_HOSTNAME = """\
+workloads:
+- {uid: c, name: client, namespace: web, workloadIps: ["10.0.0.1"], services: {}}
+- {uid: s, name: shopper, namespace: shop, workloadIps: ["10.0.0.2"], services: {}}
+- {uid: d, name: db-default, namespace: default, workloadIps: ["10.0.1.1"], services: {"default/db.example.com": {5432: 5432}}}
+- {uid: e, name: db-ext, namespace: ext, workloadIps: ["10.0.1.2"], services: {"ext/db.example.com": {5432: 5432}}}
+- {uid: p, name: db-shop, namespace: shop, workloadIps: ["10.0.1.3"], services: {"shop/db.example.com": {5432: 5432}}}
+services:
+- {name: db, namespace: default, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}}
+- {name: db, namespace: ext, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}, canonical: %s}
+- {name: db, namespace: shop, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}, visibility: Namespace}
+"""
+
+
+@pytest.mark.parametrize("canonical", [True, False])
+def test_canonical_chooses_among_services_sharing_a_hostname_or_vip_as_in_ztunnel(canonical):
+    mesh = parse_config(SHARED_HOSTNAME % str(canonical).lower())
+    # A client in a namespace without its own: the canonical one, else the first in the file.
+    expected = "ext" if canonical else "default"
+    assert mesh.service_by_hostname("db.example.com", client_namespace="web").namespace == expected
+    assert mesh.service_by_vip("10.96.0.1", client_namespace="web").namespace == expected
+    destination = mesh.resolve("10.96.0.1", 5432, client_namespace="web")
+    assert destination.workload.name == f"db-{expected}"
+    # A client whose namespace has one always gets its own, canonical or not.
+    assert mesh.service_by_hostname("db.example.com", client_namespace="shop").namespace == "shop"
+    assert mesh.resolve("10.96.0.1", 5432, client_namespace="shop").workload.name == "db-shop"
+    # Naming the namespace still finds exactly that one.
+    assert mesh.service_by_hostname("db.example.com", "ext").namespace == "ext"
+
+
+def test_a_namespace_visibility_service_is_seen_only_from_its_namespace():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: p, name: db-shop, namespace: shop, workloadIps: ["10.0.1.3"], services: {"shop/db.example.com": {5432: 5432}}}
+        services:
+        - {name: db, namespace: shop, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}, visibility: Namespace}
+        """))
+    (only,) = mesh.services
+    assert mesh.service_by_hostname("db.example.com", client_namespace="web") is None
+    assert mesh.resolve("10.96.0.1", 5432, client_namespace="web").kind == "passthrough"
+    assert mesh.service_by_hostname("db.example.com", client_namespace="shop") is only
+    assert mesh.resolve("10.96.0.1", 5432, client_namespace="shop").workload.name == "db-shop"
+
+
+def warnings_of(text, source="mesh.yaml"):
+    with capturedLogs() as events:
+        mesh = parse_config(textwrap.dedent(text), source)
+    return mesh, [formatEvent(e) for e in events if e.get("log_namespace") == "ztwisted.config"]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("workloads:\n" + GOOD_WORKLOAD + GOOD_WORKLOAD.replace("10.0.0.1", "10.0.0.2"),
+         ("mesh.yaml: workloads[0].uid: duplicate uid 'Kubernetes//v1/Pod/default/a' (uid not set: made from "
+          "clusterId, namespace and name): workloads[1] replaces this entry, as in ztunnel")),
+        (("workloads: [{uid: x, name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
+          " {uid: x, name: b, namespace: ns, workloadIps: ['10.0.0.2']}]"),
+         "mesh.yaml: workloads[0].uid: duplicate uid 'x': workloads[1] replaces this entry, as in ztunnel"),
+        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
+          " {name: b, namespace: ns, workloadIps: ['10.0.0.2', '10.0.0.1']}]"),
+         ("mesh.yaml: workloads[1].workloadIps[1]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
+          "as in ztunnel, a connection from it is attributed to one of them: a pod (uid with \"//Pod/\") first, "
+          "then HBONE, else the last")),
+        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']}]\n"
+          "services: [{name: s, namespace: ns, hostname: h, vips: ['/10.0.0.1'], ports: {}}]"),
+         ("mesh.yaml: services[0].vips[0]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
+          "as in ztunnel, connections to it go to the service")),
+        (("services: [{name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {}},"
+          " {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {}}]"),
+         ("mesh.yaml: services[1].vips[0]: 10.96.0.1 is also a VIP of service 'ns/h' in the same namespace; as in "
+          "ztunnel, this later service takes it")),
+        ("services: [{name: s, namespace: ns, hostname: h, ports: {}}, {name: t, namespace: ns, hostname: h, ports: {}}]",
+         "mesh.yaml: services[0]: duplicate service 'ns/h': services[1] replaces this entry, as in ztunnel"),
+        (("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: []},"
+          " {name: p, namespace: ns, scope: Global, action: Deny, rules: []}]"),
+         "mesh.yaml: policies[0]: duplicate policy 'ns/p': policies[1] replaces this entry, as in ztunnel"),
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 8080}}}]",
+         ("mesh.yaml: workloads[0].services[\"ns/echo\"]: no service with namespace 'ns' and hostname 'echo' in "
+          "services; as in ztunnel, this has no effect")),
+        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [ns/p]}]",
+         "mesh.yaml: workloads[0].authorizationPolicies[0]: no policy 'ns/p' in policies; as in ztunnel, it selects nothing"),
+    ],
+)
+def test_what_ztunnel_accepts_but_is_likely_a_mistake_is_used_with_a_warning(text, expected):
+    _mesh, warnings = warnings_of(text)
+    assert warnings == [expected]
+
+
+def test_a_later_entry_replaces_an_earlier_one_with_the_same_key_as_in_ztunnel():
+    mesh, _ = warnings_of("""\
+        workloads:
+        - {uid: x, name: old, namespace: ns, workloadIps: ['10.0.0.1']}
+        - {uid: x, name: new, namespace: ns, workloadIps: ['10.0.0.2']}
+        services:
+        - {name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {80: 80}}
+        - {name: s2, namespace: ns, hostname: h, vips: [/10.96.0.2], ports: {80: 80}}
+        policies:
+        - {name: p, namespace: ns, scope: Global, action: Allow, rules: []}
+        - {name: p, namespace: ns, scope: Global, action: Deny, rules: []}
+        """)
+    (workload,) = mesh.workloads
+    assert workload.name == "new" and mesh.workload_by_ip("10.0.0.1") is None
+    (service,) = mesh.services
+    assert service.name == "s2" and mesh.service_by_vip("10.96.0.1") is None
+    (policy,) = mesh.policies
+    assert policy.action == "Deny"
+
+
+def test_shared_addresses_are_resolved_as_ztunnel_resolves_them():
+    mesh, _ = warnings_of("""\
+        workloads:
+        - {uid: "c1//Pod/ns/pod", name: pod, namespace: ns, workloadIps: ['10.0.0.1'], protocol: HBONE}
+        - {uid: "c1//WorkloadEntry/ns/vm", name: vm, namespace: ns, workloadIps: ['10.0.0.1'], protocol: HBONE}
+        - {uid: "c1//v1/Pod/ns/tcp", name: tcp, namespace: ns, workloadIps: ['10.0.0.2']}
+        - {uid: "c1//v1/Pod/ns/tcp2", name: tcp2, namespace: ns, workloadIps: ['10.0.0.2']}
+        - {uid: "c1//v1/Pod/ns/backend", name: backend, namespace: ns, workloadIps: ['10.0.1.1'],
+           services: {"ns/h": {80: 8080}}}
+        services:
+        - {name: s, namespace: ns, hostname: h, vips: [/10.0.0.2, /10.96.0.1], ports: {80: 8080}}
+        - {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {80: 8080}}
+        """)
+    # A pod (its uid has "//Pod/", Istio's form; not "//v1/Pod/") before anything else.
+    assert mesh.workload_by_ip("10.0.0.1").name == "pod"
+    assert mesh.workload_by_ip("10.0.0.2").name == "tcp2"  # equal rank: the last
+    # A VIP that is also a workload's address: outbound goes to the service.
+    assert mesh.resolve("10.0.0.2", 80).workload.name == "backend"
+    # Two services of one namespace at one VIP: the later takes it.
+    assert mesh.service_by_vip("10.96.0.1").name == "t"
+
+
+def test_services_of_different_namespaces_may_share_a_vip_quietly():
+    mesh, warnings = warnings_of(SHARED_HOSTNAME % "true")
+    assert len(mesh.services) == 3 and warnings == []
+
+
+def test_endpoints_listed_by_a_service_are_routed_to_with_their_own_ports():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: w, name: w, namespace: ns, workloadIps: ["10.0.0.7"], status: Unhealthy}
+        services:
+        - name: s
+          namespace: ns
+          hostname: s.example.com
+          vips: ["/10.96.0.7"]
+          ports: {80: 8080}
+          endpoints: {w: {workloadUid: w, port: {80: 9090}, status: Unhealthy}}
+        """))
+    # ztunnel uses a service's own endpoints whatever their status (it filters only workloads' ones).
+    destination = mesh.resolve("10.96.0.7", 80)
+    assert (destination.kind, destination.workload.uid, destination.port) == ("service", "w", 9090)
+
+
+def test_host_network_workloads_are_not_found_by_address_nor_served():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: pod, name: pod, namespace: ns, workloadIps: ["10.0.0.1"]}
+        - {uid: agent, name: agent, namespace: kube-system, workloadIps: ["10.0.0.1"], networkMode: HostNetwork}
+        """))
+    assert mesh.workload_by_ip("10.0.0.1").uid == "pod"
+    assert [w.uid for w in mesh.local_workloads(None)] == ["pod"]
+
+
+def test_ztunnel_fields_without_effect_in_ztwisted_are_accepted():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - uid: w
+          namespace: ns
+          workloadIps: []
+          capacity: 3
+          locality: {region: r, zone: z, subzone: s}
+          waypoint: {destination: "ns/waypoint.example.com", hboneMtlsPort: 15008}
+          networkGateway: {destination: "/10.0.0.9", hboneMtlsPort: 15008}
+          applicationTunnel: {protocol: NONE}
+          services: {}
+        services:
+        - name: s
+          namespace: ns
+          hostname: s.example.com
+          vips: []
+          cidrVips: [{network: "", cidr: "10.96.0.0/16"}]
+          ports: {}
+          ipFamilies: Dual
+          loadBalancer: {routingPreferences: [], mode: Standard, healthPolicy: AllowAll}
+          weightedWaypoints: [{destination: {destination: "/10.0.0.9", hboneMtlsPort: 15008}, weight: 1}]
+        """))
+    (workload,) = mesh.workloads
+    assert (workload.uid, workload.name, workload.workload_ips) == ("w", "", ())
+
+
+def test_capacity_weighs_a_services_endpoints_as_in_ztunnel():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: big, name: big, namespace: ns, workloadIps: ["10.0.0.1"], capacity: 3, services: {"ns/s": {80: 80}}}
+        - {uid: small, name: small, namespace: ns, workloadIps: ["10.0.0.2"], services: {"ns/s": {80: 80}}}
+        - {uid: off, name: off, namespace: ns, workloadIps: ["10.0.0.3"], capacity: 0, services: {"ns/s": {80: 80}}}
+        services:
+        - {name: s, namespace: ns, hostname: s, vips: ["/10.96.0.1"], ports: {80: 80}}
+        """))
+    # Every point of the capacity range 0..3 picks an endpoint: three are big's, one is small's.
+    picks = [mesh.resolve("10.96.0.1", 80, choice=lambda options, i=i: options[i]).workload.uid for i in range(4)]
+    assert picks == ["big", "big", "big", "small"]
+    only_off = mesh.resolve("10.96.0.1", 80, choice=random.Random(1).choice)
+    assert only_off.kind == "service" and only_off.workload.uid != "off"
+    drained = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: off, name: off, namespace: ns, workloadIps: ["10.0.0.3"], capacity: 0, services: {"ns/s": {80: 80}}}
+        services:
+        - {name: s, namespace: ns, hostname: s, vips: ["/10.96.0.1"], ports: {80: 80}}
+        """))
+    assert drained.resolve("10.96.0.1", 80).kind == "unroutable"
+
+
+def test_yes_no_on_off_are_strings_as_in_ztunnels_yaml_1_2():
+    mesh = parse_config("workloads: [{uid: off, name: no, namespace: on, serviceAccount: yes, workloadIps: []}]")
+    (workload,) = mesh.workloads
+    assert (workload.uid, workload.name, workload.namespace, workload.service_account) == ("off", "no", "on", "yes")
+    assert parse_config("policies: [{name: p, namespace: ns, scope: Global, action: Deny, rules: [], dryRun: true}]"
+                        ).policies[0].dry_run is True
+
+
+def test_load_balancer_passthrough_and_allow_all_as_in_ztunnel():
+    mesh = parse_config(textwrap.dedent("""\
+        workloads:
+        - {uid: sick, name: sick, namespace: ns, workloadIps: ["10.0.0.1"], status: Unhealthy,
+           services: {"ns/all": {80: 8080}, "ns/healthy": {80: 8080}}}
+        services:
+        - {name: all, namespace: ns, hostname: all, vips: ["/10.96.0.1"], ports: {80: 8080},
+           loadBalancer: {routingPreferences: [], mode: Standard, healthPolicy: AllowAll}}
+        - {name: healthy, namespace: ns, hostname: healthy, vips: ["/10.96.0.2"], ports: {80: 8080}}
+        - {name: direct, namespace: ns, hostname: direct, vips: ["/10.96.0.3"], ports: {80: 8080},
+           loadBalancer: {routingPreferences: [], mode: Passthrough, healthPolicy: OnlyHealthy}}
+        """))
+    assert mesh.resolve("10.96.0.1", 80).workload.uid == "sick"
+    assert mesh.resolve("10.96.0.2", 80).kind == "unroutable"
+    direct = mesh.resolve("10.96.0.3", 80)
+    assert (direct.kind, direct.ip, direct.port, direct.service.name) == ("passthrough", ip_address("10.96.0.3"), 80,
+                                                                          "direct")

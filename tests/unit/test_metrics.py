@@ -16,6 +16,7 @@ from ztwisted.metrics import TRAFFIC_LABELS, ConnectionLabels, Metrics
 class FakeWorkload:
     name: str
     namespace: str
+    workload_name: str = ""
 
 
 @attrs.frozen
@@ -86,6 +87,16 @@ def test_labels_from_workloads_and_identities():
         "connection_security_policy": "mutual_tls",
     }
     assert labels.with_flags("DENY").as_dict()["response_flags"] == "DENY"
+
+
+def test_workload_labels_are_the_workload_name_as_in_ztunnel():
+    """ztunnel labels ``source_workload``/``destination_workload`` with ``workloadName``, not the pod name."""
+    labels = ConnectionLabels.for_connection(
+        "source",
+        source=FakeWorkload("client-7d9f-abcde", "ns-a", workload_name="client"),
+        destination=FakeWorkload("server-0", "ns-b", workload_name="server"),
+    ).as_dict()
+    assert (labels["source_workload"], labels["destination_workload"]) == ("client", "server")
 
 
 def test_for_connection_rejects_unknown_reporter():

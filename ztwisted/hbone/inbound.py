@@ -13,6 +13,7 @@ from ztwisted.context import NodeSettings, ProxyContext
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
+from ztwisted.network import HostNetwork
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ServerTLS, peer_identity
@@ -96,6 +97,20 @@ class _InboundTLSFactory(TLSMemoryBIOFactory):
         return super().buildProtocol(addr)
 
 
+def serves_address(workload, network, ip: str, arrived_at: str) -> bool:
+    """Whether a connection for ``ip`` that arrived at local address ``arrived_at`` is for ``workload``.
+
+    A pod the node agent added before discovery described it has no known
+    address yet; its listeners are inside its own network namespace, so the
+    address a connection arrived at there is the pod's own, and only that one
+    is served (never a relay to elsewhere).
+    """
+    address = ipaddress.ip_address(ip)
+    if workload.workload_ips:
+        return address in workload.workload_ips
+    return not isinstance(network, HostNetwork) and address == ipaddress.ip_address(arrived_at)
+
+
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
@@ -104,7 +119,8 @@ class InboundHBONE:
         self.workload = workload
         self.network = network
         self.connections: set[HBONEConnection] = set()
-        self._tls = ServerTLS(lambda: context.certificates.get(workload.identity), trust_domain=workload.trust_domain)
+        # The workload may be updated by discovery (in-pod mode); new connections take its identity then.
+        self._tls = ServerTLS(lambda: context.certificates.get(self.workload.identity), trust_domain=workload.trust_domain)
 
     def factory(self) -> TLSMemoryBIOFactory:
         return _InboundTLSFactory(self._tls, _ConnectionFactory(self))
@@ -162,7 +178,7 @@ class InboundHBONE:
             stream.refuse(400)
             return
         ip, port = target
-        if ipaddress.ip_address(ip) not in self.workload.workload_ips:
+        if not serves_address(self.workload, self.network, ip, connection.transport.getHost().host):
             record.refused("-", f"{ip} is not a workload served here")
             stream.refuse(400)
             return
@@ -256,7 +272,7 @@ class _PlaintextInbound(TCPEnd):
             self.transport.loseConnection()
             return
         ip, port = destination
-        if ipaddress.ip_address(ip) not in workload.workload_ips:
+        if not serves_address(workload, self.inbound.network, ip, local.host):
             log.warn("plaintext inbound to {ip}: not workload {workload}", ip=ip, workload=workload.name)
             self.transport.loseConnection()
             return

@@ -63,8 +63,8 @@ class Outbound:
         if source_workload is None:
             log.warn("refusing outbound connection from {source}: no local workload has that address", source=source_ip)
             raise OutboundRefused(Reply.NOT_ALLOWED, f"{source_ip} is not a local workload")
-        ip = self._resolve_host(host)
-        destination = context.mesh.resolve(ip, port, choice=context.random.choice)
+        ip = self._resolve_host(host, source_workload.namespace)
+        destination = context.mesh.resolve(ip, port, choice=context.random.choice, client_namespace=source_workload.namespace)
         if destination.kind == "unroutable":
             raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
         target = destination.workload
@@ -113,12 +113,12 @@ class Outbound:
         record.finish_when_done(splice(app, upstream), app, upstream)
         return upstream
 
-    def _resolve_host(self, host: str):
+    def _resolve_host(self, host: str, client_namespace: str):
         try:
             return ipaddress.ip_address(host)
         except ValueError:
             pass
-        service = self.context.mesh.service_by_hostname(host)
+        service = self.context.mesh.service_by_hostname(host, client_namespace=client_namespace)
         if service is None or not service.vips:
             raise OutboundRefused(Reply.HOST_UNREACHABLE, f"no service has the hostname {host!r}")
         return service.vips[0][1]

@@ -44,7 +44,9 @@ class NodeProcess:
         state_dir: Path | None = None,
         extra_args: tuple[str, ...] = (),
         env: dict | None = None,
+        netns: str | None = None,
     ):
+        """``netns``: run in that named network namespace (``ip netns exec``); its control IP is there too."""
         self.workdir = Path(workdir)
         self.name = name
         self.control_ip = control_ip
@@ -53,6 +55,7 @@ class NodeProcess:
         self.state_dir = Path(state_dir or self.workdir / "state")
         self.extra_args = tuple(extra_args)
         self.env = env
+        self.netns = netns
         self.log_path = self.workdir / f"{name}.log"
         self.process: subprocess.Popen | None = None
 
@@ -74,7 +77,8 @@ class NodeProcess:
             args += ["--config", str(self.config)]
         if self.node is not None:
             args += ["--node", self.node]
-        return args + list(self.extra_args)
+        args += list(self.extra_args)
+        return ["ip", "netns", "exec", self.netns, *args] if self.netns else args
 
     def start(self, timeout: float = 20.0) -> NodeProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -105,12 +109,7 @@ class NodeProcess:
 
     def http(self, listener: str, path: str, method: str = "GET") -> tuple[int, bytes]:
         port = {"admin": 15000, "metrics": 15020, "readiness": 15021}[listener]
-        request = urllib.request.Request(f"http://{self.control_ip}:{port}{path}", method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=5) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return http_request(f"http://{self.control_ip}:{port}{path}", method, netns=self.netns)
 
     def config_dump(self) -> dict:
         return json.loads(self.http("admin", "/config_dump")[1])
@@ -120,17 +119,7 @@ class NodeProcess:
 
     def metric(self, name: str, **labels) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for line in self.metrics().splitlines():
-            if not line.startswith(name) or line.startswith("#"):
-                continue
-            head, _, value = line.rpartition(" ")
-            metric_name = head.split("{", 1)[0]
-            if metric_name != name:
-                continue
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-        return total
+        return metric_sum(self.metrics(), name, **labels)
 
     def log_events(self) -> list[dict]:
         events = []
@@ -171,6 +160,38 @@ class NodeProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def metric_sum(exposition: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` in Prometheus text ``exposition`` whose labels include ``labels``."""
+    total = 0.0
+    for line in exposition.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def http_request(url: str, method: str = "GET", *, netns: str | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    """(status, body) of one HTTP request; with ``netns``, sent from inside that named network namespace."""
+
+    def send() -> tuple[int, bytes]:
+        request = urllib.request.Request(url, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    if netns is None:
+        return send()
+    from ztwisted.netns import call_in_netns  # here: the apps that import this module need the standard library only
+
+    return call_in_netns(f"/var/run/netns/{netns}", send)
 
 
 def socks5_connect(proxy: tuple[str, int], source_ip: str, host: str, port: int, timeout: float = 10.0) -> socket.socket:

@@ -88,47 +88,54 @@ def _run(*command: str) -> None:
 
 
 class Namespaces:
-    """The router namespace and one namespace per pod, joined by veth pairs."""
+    """A router namespace and pod namespaces joined to it by veth pairs.
 
-    def __init__(self, addresses: NetnsAddresses):
-        self.addresses = addresses
-        self.prefix = f"ztw{addresses.net}-{os.getpid()}"
+    Names are ``ztw<net>-<pid>-<pod>`` (``ztunnel-lab cleanup`` finds those
+    of a dead process). The router (``ztw<net>-<pid>-router``, forwarding on)
+    stands in for the nodes' host network; each pod gets ``eth0``, the end of
+    a veth pair whose router end is ``r-<pod>``, with its addresses as /32s
+    and a default route to the router. The lab and the ztunnel peer runner
+    (:mod:`ztwisted.tools.lab.ztunnel_peer`) share it.
+    """
+
+    def __init__(self, net: int):
+        self.prefix = f"ztw{net}-{os.getpid()}"
         self.router = f"{self.prefix}-router"
         self.made: list[str] = []
 
     def path(self, pod: str) -> str:
         return f"/var/run/netns/{self.prefix}-{pod}"
 
-    def create(self) -> None:
+    def name(self, pod: str) -> str:
+        return f"{self.prefix}-{pod}"
+
+    def add_router(self) -> None:
         self._add(self.router)
         for setting in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
             _run("ip", "netns", "exec", self.router, "sysctl", "-qw", setting)
-        for pod in PODS:
-            self._pod(pod)
-        vip = self.addresses.vip
-        for pod in ("client-pool", "client-req"):
-            # istio-cni's job: the app's connections to the service go to its proxy's 15001.
-            _run("ip", "netns", "exec", f"{self.prefix}-{pod}", "iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp",
-                 "-d", f"{vip}/32", "-m", "mark", "!", "--mark", str(PACKET_MARK), "-j", "REDIRECT", "--to-ports", "15001")
 
     def _add(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self.made.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
-    def _pod(self, pod: str) -> None:
-        name = f"{self.prefix}-{pod}"
-        ip = self.addresses.pod_ip(pod)
+    def add_pod(self, pod: str, *ips: str) -> str:
+        """A namespace for ``pod`` (at most 13 characters) with ``ips`` on its eth0; its path."""
+        if len(f"r-{pod}") > 15:
+            raise LabError(f"pod name {pod!r} is too long for an interface name (at most 13 characters)")
+        name = self.name(pod)
         self._add(name)
         outside = f"r-{pod}"
         _run("ip", "-n", self.router, "link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", name)
         _run("ip", "-n", self.router, "addr", "add", f"{ROUTER_ADDRESS}/32", "dev", outside)
         _run("ip", "-n", self.router, "link", "set", outside, "up")
-        _run("ip", "-n", self.router, "route", "add", f"{ip}/32", "dev", outside)
-        _run("ip", "-n", name, "addr", "add", f"{ip}/32", "dev", "eth0")
+        for ip in ips:
+            _run("ip", "-n", self.router, "route", "add", f"{ip}/32", "dev", outside)
+            _run("ip", "-n", name, "addr", "add", f"{ip}/32", "dev", "eth0")
         _run("ip", "-n", name, "link", "set", "eth0", "up")
         _run("ip", "-n", name, "route", "add", f"{ROUTER_ADDRESS}/32", "dev", "eth0")
         _run("ip", "-n", name, "route", "add", "default", "via", ROUTER_ADDRESS, "dev", "eth0")
+        return self.path(pod)
 
     def unplug(self, pod: str) -> None:
         """The CNI's teardown: delete the pod's veth (both ends go)."""
@@ -138,6 +145,16 @@ class Namespaces:
         for name in reversed(self.made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         self.made.clear()
+
+
+def create_lab_namespaces(namespaces: Namespaces, addresses: NetnsAddresses) -> None:
+    """The lab's router and pods; the client pods get istio-cni's redirect to their proxy's 15001."""
+    namespaces.add_router()
+    for pod in PODS:
+        namespaces.add_pod(pod, addresses.pod_ip(pod))
+    for pod in ("client-pool", "client-req"):
+        _run("ip", "netns", "exec", namespaces.name(pod), "iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp",
+             "-d", f"{addresses.vip}/32", "-m", "mark", "!", "--mark", str(PACKET_MARK), "-j", "REDIRECT", "--to-ports", "15001")
 
 
 def leftover_namespaces(net: int) -> list[str]:
@@ -221,7 +238,7 @@ class NetnsPlatform(Platform):
     def __init__(self, config, workdir: Path, state_dir: Path):
         super().__init__(config, workdir, state_dir)
         self.addresses = NetnsAddresses(config.net)
-        self.namespaces = Namespaces(self.addresses)
+        self.namespaces = Namespaces(self.addresses.net)
 
     def start(self, node_args: tuple[str, ...]) -> None:
         check_netns_mode()
@@ -229,7 +246,7 @@ class NetnsPlatform(Platform):
         write_mesh(self.a_mesh, addresses)
         write_mesh(self.b_mesh, addresses)
         self.cleanup.callback(self.namespaces.destroy)
-        self.namespaces.create()
+        create_lab_namespaces(self.namespaces, addresses)
         self.b1_app = call_in_netns(self.namespaces.path("b1"), ServerApp("b1", addresses.b1, APP_PORT).start)
         self.cleanup.callback(self.b1_app.close)
         b2 = call_in_netns(self.namespaces.path("b2"), ServerApp("b2", addresses.b2, APP_PORT).start)

@@ -306,18 +306,38 @@ class NetnsPlatform(Platform):
             agent.start()
             self.cleanup.callback(agent.stop)
             self.agents[node] = agent
+        if self.config.client_proxy == "ztunnel":
+            from ztwisted.lab.ztunnel_client import ZtunnelNodeA
+
+            # Writes node B's plug-in CA (ztunnel's test root) first, so it comes before node B starts.
+            ztunnel = ZtunnelNodeA(self.namespaces, self.workdir / "node-a", self.state_dir, self.a_mesh,
+                                   self.agents["node-a"].socket_path)
         self.node_b = self.node("node-b", addresses.node_b, self.b_mesh,
                                 node_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)))
-        self.node_a = self.node("node-a", addresses.node_a, self.a_mesh,
-                                node_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
         self.start_node(self.node_b)
-        self.start_node(self.node_a)
+        if self.config.client_proxy == "ztunnel":
+            self.node_a = ztunnel
+            self.node_a_reloads_config = False
+            self.cleanup.callback(ztunnel.stop)
+            ztunnel.start()
+        else:
+            self.node_a = self.node("node-a", addresses.node_a, self.a_mesh,
+                                    node_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
+            self.start_node(self.node_a)
         for pod, (service_account, node) in PODS.items():
             answer, _ = self.agents[node].call("add", uid=_uid(pod), name=pod, namespace="default",
                                                service_account=service_account, netns=self.namespaces.path(pod))
             failed = [ack for ack in answer.get("acks", []) if not ack.get("ok")]
             if failed or not answer.get("acks"):
                 raise LabError(f"{node} did not start pod {pod}: {failed or answer}")
+
+    def watch_wire(self, clock):
+        from ztwisted.lab.wire import WireWatch
+
+        watch = WireWatch(clock, [self.namespaces.path(pod) for pod, (_, node) in PODS.items() if node == "node-a"],
+                          {self.addresses.b1: "b1", self.addresses.b2: "b2"})
+        self.cleanup.callback(watch.stop)
+        return watch.start()
 
     def client(self, pod: str) -> dict:
         vip, path = self.addresses.vip, self.namespaces.path(pod)

@@ -233,6 +233,7 @@ def test_netns_mode_with_ztunnel_as_node_a(tmp_path):
         assert max(n for _, n in strategy["series"]["hbone_a_to_b2"]) >= 1, "the wire shows ztunnel's connections"
         events = {e["name"]: e for e in strategy["events"]}
         assert events["removed"]["applied_in_s"] is None and "not delivered" in events["removed"]["node_a"]
+        assert events["removed"]["node_a_config_dump_lists_b1"] is True, "ztunnel's /config_dump still has B1"
     # Nothing told ztunnel about B1 before its network went: its pooled connection was still there.
     assert immediate["measures"]["pool_to_b1"]["open_at_gone"] >= 1
     # After the GOAWAY, ztunnel kept sending to B1 on a new HBONE connection, which node B accepted.

@@ -117,6 +117,8 @@ def strategy_result(raw: dict, *, keep_records: bool = False) -> dict:
         "events": raw["events"],
         "measures": measure(raw),
         "pool_source": raw["pool_source"],
+        # node A's HBONE connections as the client pods' TCP tables showed them (netns mode)
+        "wire_connections": raw["wire_connections"],
         "series": series(records, raw["pool"], end),
         "scrapes": raw["scrapes"],
         "metrics_during": [_during(sample) for sample in raw["metrics"]],

@@ -16,6 +16,7 @@ from the start of traffic (see :class:`Timeline`)::
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -264,7 +265,14 @@ class StrategyRun:
             for path, b1 in changes:
                 write_mesh(path, platform.addresses, b1=b1)
             # ztunnel reads its LOCAL_XDS_PATH once, at start; without an XDS server node A never learns this.
-            self.event(name, applied_in_s=None, node_a="not delivered: ztunnel reads its local config file once")
+            # Its /config_dump shows what it still believes.
+            try:
+                workloads = json.loads(platform.node_a.http("admin", "/config_dump")[1]).get("workloads", [])
+                lists_b1 = platform.addresses.b1 in json.dumps(workloads)
+            except (OSError, ValueError):
+                lists_b1 = None
+            self.event(name, applied_in_s=None, node_a="not delivered: ztunnel reads its local config file once",
+                       node_a_config_dump_lists_b1=lists_b1)
             return
         reloads = _reloads(platform.node_a)
         for path, b1 in changes:

@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -37,6 +38,7 @@ from ztwisted.lab.server import ServerApp
 
 CLONE_NEWNET = 0x40000000
 PACKET_MARK = 1337  # the in-pod proxy's mark on its own sockets
+UNIX_PATH_MAX = 108  # sun_path, with its terminating NUL
 ROUTER_ADDRESS = "169.254.1.1"  # the pods' gateway, on every router-side veth
 PODS = {"client-pool": ("client", "node-a"), "client-req": ("client", "node-a"), "b1": ("echo", "node-b"), "b2": ("echo", "node-b")}
 
@@ -226,6 +228,11 @@ class Agent:
     def __init__(self, name: str, workdir: Path, control_ip: str):
         self.name = name
         self.socket_path = workdir / f"{name}.sock"
+        self._short_dir = None
+        if len(os.fsencode(self.socket_path)) >= UNIX_PATH_MAX:
+            # A Unix socket's path has at most 107 bytes; a deep --out (or pytest's tmp_path) exceeds it.
+            self._short_dir = tempfile.mkdtemp(prefix="ztw-agent-")
+            self.socket_path = Path(self._short_dir) / f"{name}.sock"
         self.control = f"http://{control_ip}:15099"
         self.log_path = workdir / f"{name}.log"
         self.workdir = workdir
@@ -275,6 +282,8 @@ class Agent:
                 self.process.wait()
         if getattr(self, "_log", None) is not None:
             self._log.close()
+        if self._short_dir is not None:
+            shutil.rmtree(self._short_dir, ignore_errors=True)
 
 
 def _uid(pod: str) -> str:

@@ -1,7 +1,9 @@
 """ztunnel-lab: a short loopback run whose results must be complete and add up (no timing asserted).
 
-The lab uses its own address range, 127.91.0.0/16 (``--net 91``), not
-ZTWISTED_TEST_NET's, so it never collides with the other integration tests.
+The lab uses its own address range, not ZTWISTED_TEST_NET's, so it never
+collides with the other integration tests: 127.<NET+100>.0.0/16 when
+ZTWISTED_TEST_NET is set (so that parallel runs on one machine do not collide
+either), 127.91.0.0/16 otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from ztwisted.lab.scenario import LabError, Strategy, Timeline
 pytestmark = pytest.mark.integration
 
 STRATEGIES = ("immediate", "last-mile")
-NET = os.environ.get("ZTWISTED_TEST_NET", "91")  # the ztunnel run's addresses (the others keep 91)
+_TEST_NET = os.environ.get("ZTWISTED_TEST_NET")
+NET = str(int(_TEST_NET) + 100) if _TEST_NET and int(_TEST_NET) + 100 <= 254 else "91"
 LIFECYCLE = ("traffic-start", "terminating", "unready", "app-exit", "app-exited", "removed", "traffic-stop", "done")
 
 
@@ -37,7 +40,7 @@ def lab(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def lab_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lab")
-    done = lab("run", "--strategies", ",".join(STRATEGIES), "--duration", "6", "--seed", "7", "--net", "91",
+    done = lab("run", "--strategies", ",".join(STRATEGIES), "--duration", "6", "--seed", "7", "--net", NET,
                "--out", str(out), "--quiet")
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     return out, json.loads((out / "results.json").read_text()), done.stdout
@@ -179,7 +182,7 @@ def test_netns_mode_immediate_leaves_a_pooled_connection_to_keepalive_and_last_m
         pytest.skip("netns mode unavailable: " + "; ".join(missing))
     # keepalive 1 s + 1.5 s, so that 6 s of observation are plenty for it to give up
     done = lab("run", "--mode", "netns", "--strategies", "immediate,last-mile", "--duration", "4", "--observe", "6",
-               "--keepalive-interval", "1", "--keepalive-timeout", "1.5", "--net", "91", "--out", str(tmp_path), "--quiet")
+               "--keepalive-interval", "1", "--keepalive-timeout", "1.5", "--net", NET, "--out", str(tmp_path), "--quiet")
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     results = json.loads((tmp_path / "results.json").read_text())
     immediate, last_mile = results["strategies"]

@@ -146,7 +146,10 @@ class Sampler:
     def pool_now(self) -> dict:
         counts = {"t": round(self.clock(), 4), "b1": 0, "b2": 0, "b1_draining": 0, "streams_b1": 0}
         if self.wire is not None:
-            counts.update(self.wire.open_now())
+            read_at, held = self.wire.open_now()
+            if read_at is not None:
+                counts["t"] = read_at
+            counts.update(held)
         if not getattr(self.nodes["a"], "has_pool_dump", True):
             return counts
         dump = json.loads(self.nodes["a"].http("admin", "/config_dump")[1])

@@ -57,6 +57,7 @@ class WireWatch:
         self.port = port
         self.interval = interval
         self._now: dict[str, dict[str, int]] = {path: {} for path in namespaces}
+        self._read_at: dict[str, float] = {}
         #: 4-tuple -> {"destination", "first_seen", "last_seen"}
         self.connections: dict[tuple, dict] = {}
         self.errors: list[str] = []
@@ -77,14 +78,19 @@ class WireWatch:
         for thread in self._threads:
             thread.join(5)
 
-    def open_now(self) -> dict[str, int]:
-        """Connections the proxy holds now, per destination name (every destination listed)."""
+    def open_now(self) -> tuple[float | None, dict[str, int]]:
+        """(when the oldest of the latest reads was made, connections held then per destination name).
+
+        The time is that of the reads, not of this call: a sample must not
+        claim to be newer than what it saw.
+        """
         counts = dict.fromkeys(self.destinations.values(), 0)
         with self._lock:
             for per_namespace in self._now.values():
                 for name, count in per_namespace.items():
                     counts[name] += count
-        return counts
+            read_at = min(self._read_at.values()) if len(self._read_at) == len(self.namespaces) else None
+        return read_at, counts
 
     def opened_since(self, t: float, *, attempts: bool = False) -> dict[str, int]:
         """Connections first seen at or after ``t`` that were established (or, with ``attempts``, all)."""
@@ -102,6 +108,7 @@ class WireWatch:
             self.errors.append(f"cannot enter {path}: {e}")
             return
         while not self._stop.is_set():
+            t = round(self.clock(), 4)
             try:
                 with open("/proc/thread-self/net/tcp") as f:
                     rows = tcp_table(f.read())
@@ -109,7 +116,6 @@ class WireWatch:
                 if len(self.errors) < 20:
                     self.errors.append(f"{path}: {e}")
                 rows = []
-            t = round(self.clock(), 4)
             held: dict[str, int] = {}
             with self._lock:
                 for local_ip, local_port, remote_ip, remote_port, state in rows:
@@ -123,4 +129,5 @@ class WireWatch:
                         held[name] = held.get(name, 0) + 1
                         seen["established"] = True
                 self._now[path] = held
+                self._read_at[path] = t
             self._stop.wait(self.interval)

@@ -3,7 +3,7 @@
 ::
 
     ztunnel-lab run --strategies immediate,goaway-on-start,last-mile,client-evict,client-evict+last-mile \\
-                    [--mode loopback|netns] [--seed N] [--duration SECONDS] [--out DIR]
+                    [--mode loopback|netns] [--client-proxy ztwisted|ztunnel] [--seed N] [--duration SECONDS] [--out DIR]
     ztunnel-lab cleanup     # remove blackhole routes a killed run left behind
 """
 
@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
                      help="comma-separated; combine ztwisted strategies with '+' (default: %(default)s)")
     run.add_argument("--mode", choices=("loopback", "netns"), default="loopback",
                      help="loopback: pods on 127.x addresses (default); netns: pods in network namespaces (root)")
+    run.add_argument("--client-proxy", choices=("ztwisted", "ztunnel"), default="ztwisted",
+                     help="node A, the client pods' node: ztwisted (default) or Istio's real ztunnel (needs --mode "
+                     "netns and the cached build of tests/peers/ztunnel_build.py); node B is always ztwisted")
     run.add_argument("--seed", type=int, default=1, help="seeds the apps' request schedules and payloads (default: 1)")
     run.add_argument("--duration", type=_positive(float), default=None,
                      help=f"seconds of traffic per strategy; the default timeline ({default.nominal:g} s) is scaled to it")
@@ -121,10 +124,13 @@ def config_from(args) -> LabConfig:
         Addresses(args.net)
     except ValueError as e:
         raise LabError(str(e)) from None
+    if args.client_proxy == "ztunnel" and args.mode != "netns":
+        raise LabError("--client-proxy ztunnel needs --mode netns (ztunnel serves pods in their network namespaces)")
     work = args.out / "work" if args.out is not None else None
     return LabConfig(
         strategies=[name.strip() for name in args.strategies.split(",") if name.strip()],
         mode=args.mode,
+        client_proxy=args.client_proxy,
         seed=args.seed,
         timeline=timeline_from(args),
         traffic=attr.evolve(Traffic(), pool_connections=args.pool_connections, pool_rate=args.pool_rate,

@@ -1,12 +1,15 @@
 """ztunnel-lab: a short loopback run whose results must be complete and add up (no timing asserted).
 
-The lab uses its own address range, 127.91.0.0/16 (``--net 91``), not
-ZTWISTED_TEST_NET's, so it never collides with the other integration tests.
+The lab uses its own address range, not ZTWISTED_TEST_NET's, so it never
+collides with the other integration tests: 127.<NET+100>.0.0/16 when
+ZTWISTED_TEST_NET is set (so that parallel runs on one machine do not collide
+either), 127.91.0.0/16 otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -23,6 +26,8 @@ from ztwisted.tools.lab.scenario import LabError, Strategy, Timeline
 pytestmark = pytest.mark.integration
 
 STRATEGIES = ("immediate", "last-mile")
+_TEST_NET = os.environ.get("ZTWISTED_TEST_NET")
+NET = str(int(_TEST_NET) + 100) if _TEST_NET and int(_TEST_NET) + 100 <= 254 else "91"
 LIFECYCLE = ("traffic-start", "terminating", "unready", "app-exit", "app-exited", "removed", "traffic-stop", "done")
 
 
@@ -35,7 +40,7 @@ def lab(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def lab_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lab")
-    done = lab("run", "--strategies", ",".join(STRATEGIES), "--duration", "6", "--seed", "7", "--net", "91",
+    done = lab("run", "--strategies", ",".join(STRATEGIES), "--duration", "6", "--seed", "7", "--net", NET,
                "--out", str(out), "--quiet")
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     return out, json.loads((out / "results.json").read_text()), done.stdout
@@ -177,7 +182,7 @@ def test_netns_mode_immediate_leaves_a_pooled_connection_to_keepalive_and_last_m
         pytest.skip("netns mode unavailable: " + "; ".join(missing))
     # keepalive 1 s + 1.5 s, so that 6 s of observation are plenty for it to give up
     done = lab("run", "--mode", "netns", "--strategies", "immediate,last-mile", "--duration", "4", "--observe", "6",
-               "--keepalive-interval", "1", "--keepalive-timeout", "1.5", "--net", "91", "--out", str(tmp_path), "--quiet")
+               "--keepalive-interval", "1", "--keepalive-timeout", "1.5", "--net", NET, "--out", str(tmp_path), "--quiet")
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     results = json.loads((tmp_path / "results.json").read_text())
     immediate, last_mile = results["strategies"]
@@ -192,10 +197,60 @@ def test_netns_mode_immediate_leaves_a_pooled_connection_to_keepalive_and_last_m
     assert set(last_mile["measures"]["hbone"]["closed_in_window"]["b"]) == {"drained"}
 
 
+def _ztunnel_or_fail():
+    """The cached ztunnel build; missing: a failure under CI (which builds it), else a skip."""
+    from ztwisted.tools.lab.ztunnel_peer import ZtunnelMissing, find_ztunnel
+
+    try:
+        return find_ztunnel()
+    except ZtunnelMissing as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"ztunnel is missing: {e}", pytrace=False)
+        pytest.skip(f"ztunnel is missing: {e}")
+
+
+@pytest.mark.root
+def test_netns_mode_with_ztunnel_as_node_a(tmp_path):
+    """Node A is the real ztunnel (in-pod mode, driven by ztunnel-agent), node B ztwisted: traffic crosses,
+    ztunnel's connections are seen on the wire and counted by node B, and ztunnel honours goaway-on-start's
+    GOAWAY by opening a new connection (its discovery still lists B1: it reads its config file once)."""
+    missing = missing_for_netns()
+    if missing:
+        if os.geteuid() == 0 and os.environ.get("CI") == "true":
+            pytest.fail("netns mode unavailable: " + "; ".join(missing), pytrace=False)
+        pytest.skip("netns mode unavailable: " + "; ".join(missing))
+    _ztunnel_or_fail()
+    done = lab("run", "--mode", "netns", "--client-proxy", "ztunnel", "--strategies", "immediate,goaway-on-start",
+               "--duration", "4", "--net", NET, "--out", str(tmp_path), "--quiet", timeout=180)
+    assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["lab"]["client_proxy"] == "ztunnel"
+    assert any("node A is ztunnel" in a for a in results["lab"]["approximations"])
+    immediate, goaway = results["strategies"]
+    for strategy in (immediate, goaway):
+        m = strategy["measures"]
+        assert m["requests"]["succeeded"] + m["requests"]["failed"] == m["requests"]["sent"] > 0
+        assert m["answered_by"].get("b1") and m["answered_by"].get("b2"), "ztunnel balanced over both pods"
+        assert m["hbone"]["counted_at"].startswith("node B's metrics")
+        assert strategy["pool_source"] == "wire"
+        assert max(n for _, n in strategy["series"]["hbone_a_to_b2"]) >= 1, "the wire shows ztunnel's connections"
+        events = {e["name"]: e for e in strategy["events"]}
+        assert events["removed"]["applied_in_s"] is None and "not delivered" in events["removed"]["node_a"]
+        assert events["removed"]["node_a_config_dump_lists_b1"] is True, "ztunnel's /config_dump still has B1"
+    # Nothing told ztunnel about B1 before its network went: its pooled connection was still there.
+    assert immediate["measures"]["pool_to_b1"]["open_at_gone"] >= 1
+    # After the GOAWAY, ztunnel kept sending to B1 on a new HBONE connection, which node B accepted.
+    assert goaway["measures"]["drain_events"]["b"].get("goaway-on-start:pod_terminating", 0) >= 1
+    assert goaway["measures"]["hbone"]["accepted_by_b_in_window"] >= 1
+
+
 def test_cli_errors_are_clear():
     unknown = lab("run", "--strategies", "immediate,bogus", "--quiet", timeout=30)
     assert unknown.returncode == 2
     assert "unknown drain strategy bogus" in unknown.stderr and "installed:" in unknown.stderr
+    ztunnel_loopback = lab("run", "--client-proxy", "ztunnel", "--quiet", timeout=30)
+    assert ztunnel_loopback.returncode == 2
+    assert "--client-proxy ztunnel needs --mode netns" in ztunnel_loopback.stderr
     if missing_for_netns():
         netns = lab("run", "--mode", "netns", "--quiet", timeout=30)
         assert netns.returncode == 2

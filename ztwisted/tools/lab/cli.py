@@ -3,7 +3,7 @@
 ::
 
     ztunnel-lab run --strategies immediate,goaway-on-start,last-mile,client-evict,client-evict+last-mile \\
-                    [--mode loopback|netns] [--seed N] [--duration SECONDS] [--out DIR]
+                    [--mode loopback|netns] [--client-proxy ztwisted|ztunnel] [--seed N] [--duration SECONDS] [--out DIR]
     ztunnel-lab cleanup     # remove blackhole routes a killed run left behind
 """
 
@@ -71,6 +71,8 @@ class RunOptions(usage.Options):
     optParameters = [
         ["strategies", None, ",".join(DEFAULT_STRATEGIES), "Comma-separated; combine ztwisted strategies with '+'."],
         ["mode", None, "loopback", "loopback: pods on 127.x addresses; netns: pods in network namespaces (root)."],
+        ["client-proxy", None, "ztwisted", "Node A, the client pods' node: ztwisted or Istio's real ztunnel (needs "
+         "--mode netns and the cached build of tests/peers/ztunnel_build.py); node B is always ztwisted."],
         ["seed", None, 1, "Seeds the apps' request schedules and payloads.", int],
         ["duration", None, None, f"Seconds of traffic per strategy; the default timeline "
          f"({DEFAULT_TIMELINE.nominal:g} s) is scaled to it.", _positive(float)],
@@ -98,6 +100,8 @@ class RunOptions(usage.Options):
     def postOptions(self) -> None:
         if self["mode"] not in ("loopback", "netns"):
             raise usage.UsageError(f"--mode must be loopback or netns, not {self['mode']!r}")
+        if self["client-proxy"] not in ("ztwisted", "ztunnel"):
+            raise usage.UsageError(f"--client-proxy must be ztwisted or ztunnel, not {self['client-proxy']!r}")
 
 
 class CleanupOptions(usage.Options):
@@ -135,10 +139,13 @@ def config_from(options: RunOptions) -> LabConfig:
         Addresses(options["net"])
     except ValueError as e:
         raise LabError(str(e)) from None
+    if options["client-proxy"] == "ztunnel" and options["mode"] != "netns":
+        raise LabError("--client-proxy ztunnel needs --mode netns (ztunnel serves pods in their network namespaces)")
     work = options["out"] / "work" if options["out"] is not None else None
     return LabConfig(
         strategies=[name.strip() for name in options["strategies"].split(",") if name.strip()],
         mode=options["mode"],
+        client_proxy=options["client-proxy"],
         seed=options["seed"],
         timeline=timeline_from(options),
         traffic=attr.evolve(Traffic(), pool_connections=options["pool-connections"], pool_rate=options["pool-rate"],

@@ -110,6 +110,19 @@ def openings_seen(pool: list[dict], start: float | None) -> dict[str, int]:
     return seen
 
 
+def wire_openings(connections: list[dict], start: float | None, *, attempts: bool = False) -> dict[str, int]:
+    """Node A's HBONE connections to each destination first seen on the wire from ``start`` on (a lower bound).
+
+    Only the established ones, or with ``attempts`` every connect, including
+    those that never got an answer (to a pod whose network is gone).
+    """
+    seen = {"b1": 0, "b2": 0}
+    for connection in connections:
+        if start is not None and connection["first_seen"] >= start and (attempts or connection["established"]):
+            seen[connection["destination"]] = seen.get(connection["destination"], 0) + 1
+    return seen
+
+
 def series(records: list[RequestRecord], pool: list[dict], end: float) -> dict:
     """Requests per second succeeded and failed (by when they ended), and node A's open HBONE connections.
 
@@ -143,8 +156,21 @@ def measure(raw: dict) -> dict:
     scrapes = raw["scrapes"]
     window_a = delta(scrapes["after"]["a"], scrapes["before"]["a"])
     window_b = delta(scrapes["after"]["b"], scrapes["before"]["b"])
-    opened = total(window_a, "ztwisted_pool_connections_opened_total")
-    handshake_failures = total(window_a, "ztwisted_tls_handshake_failures_total")
+    # Node B (always ztwisted) counts the HBONE connections it accepted: those closed plus the change in
+    # those open; its handshake failures are labelled reason="inbound".
+    accepted_by_b = total(window_b, "ztwisted_hbone_connections_closed_total", direction="inbound") + (
+        total(scrapes["after"]["b"], "ztwisted_hbone_connections", direction="inbound")
+        - total(scrapes["before"]["b"], "ztwisted_hbone_connections", direction="inbound"))
+    failed_at_b = total(window_b, "ztwisted_tls_handshake_failures_total", reason="inbound")
+    client_proxy = raw.get("client_proxy", "ztwisted")
+    if client_proxy == "ztwisted":
+        counted_at = "node A's metrics (ztwisted_pool_connections_opened_total)"
+        opened = total(window_a, "ztwisted_pool_connections_opened_total")
+        handshake_failures = total(window_a, "ztwisted_tls_handshake_failures_total")
+    else:  # ztunnel counts no pool connections: node B's side of them
+        counted_at = "node B's metrics (HBONE connections accepted, inbound TLS handshake failures)"
+        opened, handshake_failures = accepted_by_b, failed_at_b
+    wire = raw.get("wire_connections") or []
     answered_by: dict[str, int] = {}
     for record in records:
         if record.ok:
@@ -155,13 +181,21 @@ def measure(raw: dict) -> dict:
             **request_counts(records),
             "per_app": {app: request_counts([r for r in records if r.app == app]) for app in apps},
             "in_window": request_counts(in_window),
+            "by_phase": _by_phase(records, events),
         },
         "bytes": byte_counts(records),
         "answered_by": dict(sorted(answered_by.items())),
         "hbone": {
+            "counted_at": counted_at,
             "opened_by_a_in_window": int(opened),
             "tls_handshakes_by_a_in_window": int(opened + handshake_failures),
-            "opened_seen_by_destination": openings_seen(raw["pool"], terminating),
+            "accepted_by_b_in_window": int(accepted_by_b),
+            "tls_handshake_failures_at_b_in_window": int(failed_at_b),
+            "opened_seen_by_destination": (
+                wire_openings(wire, terminating) if raw.get("pool_source") == "wire"
+                else openings_seen(raw["pool"], terminating)),
+            "connect_attempts_seen_by_destination": wire_openings(wire, terminating, attempts=True) if wire else None,
+            "seen_on": "the client pods' TCP tables" if raw.get("pool_source") == "wire" else "node A's /config_dump pool",
             "closed_in_window": {
                 "a": _ended_by(window_a, "outbound"),
                 "b": _ended_by(window_b, "inbound"),
@@ -187,6 +221,21 @@ def measure(raw: dict) -> dict:
         "b1_exit": raw["b1_exit"],
         "window_s": None if terminating is None or stopped is None else round(stopped - terminating, 3),
     }
+
+
+PHASES = ("traffic-start", "terminating", "app-exit", "teardown", "removed")
+
+
+def _by_phase(records: list[RequestRecord], events: list[dict]) -> dict:
+    """Requests counted by the last of :data:`PHASES` that happened before each one started."""
+    starts = sorted((t, name) for name in PHASES if (t := event_time(events, name)) is not None)
+    phases: dict[str, list[RequestRecord]] = {name: [] for _, name in starts}
+    for record in records:
+        began = record.started if record.started is not None else record.planned
+        current = next((name for t, name in reversed(starts) if began >= t), None)
+        if current is not None:
+            phases[current].append(record)
+    return {f"from {name}": request_counts(chosen) for name, chosen in phases.items()}
 
 
 def _ended_by(window: dict[str, float], direction: str) -> dict[str, int]:

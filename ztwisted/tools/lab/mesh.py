@@ -70,6 +70,8 @@ def _workload(name: str, ip: str, node: str, *, server: bool = False, healthy: b
         "uid": f"lab//v1/Pod/default/{name}",
         "name": name,
         "namespace": "default",
+        # Explicit: ztunnel takes a missing trust domain as an empty one (spiffe:///ns/...), ztwisted as cluster.local.
+        "trustDomain": "cluster.local",
         "serviceAccount": "echo" if server else "client",
         "workloadIps": [ip],
         "protocol": "HBONE",
@@ -77,8 +79,8 @@ def _workload(name: str, ip: str, node: str, *, server: bool = False, healthy: b
         "workloadName": "echo" if server else name,
         "canonicalName": "echo" if server else name,
     }
-    if server:
-        workload["services"] = {f"default/{SERVICE_HOST}": {SERVICE_PORT: APP_PORT}}
+    # ztunnel's local config requires the field on every workload, ztwisted's does not.
+    workload["services"] = {f"default/{SERVICE_HOST}": {SERVICE_PORT: APP_PORT}} if server else {}
     if not healthy:
         workload["status"] = "Unhealthy"
     return workload

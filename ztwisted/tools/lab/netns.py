@@ -18,9 +18,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +37,7 @@ from ztwisted.tools.lab.server import ServerApp
 from ztwisted.tools.system import missing_for_network_setup
 
 PACKET_MARK = 1337  # the in-pod proxy's mark on its own sockets
+UNIX_PATH_MAX = 108  # sun_path, with its terminating NUL
 ROUTER_ADDRESS = "169.254.1.1"  # the pods' gateway, on every router-side veth
 PODS = {"client-pool": ("client", "node-a"), "client-req": ("client", "node-a"), "b1": ("echo", "node-b"), "b2": ("echo", "node-b")}
 
@@ -177,6 +180,11 @@ class Agent:
     def __init__(self, name: str, workdir: Path, control_ip: str):
         self.name = name
         self.socket_path = workdir / f"{name}.sock"
+        self._short_dir = None
+        if len(os.fsencode(self.socket_path)) >= UNIX_PATH_MAX:
+            # A Unix socket's path has at most 107 bytes; a deep --out (or pytest's tmp_path) exceeds it.
+            self._short_dir = tempfile.mkdtemp(prefix="ztw-agent-")
+            self.socket_path = Path(self._short_dir) / f"{name}.sock"
         self.control = f"http://{control_ip}:15099"
         self.log_path = workdir / f"{name}.log"
         self.workdir = workdir
@@ -226,6 +234,8 @@ class Agent:
                 self.process.wait()
         if getattr(self, "_log", None) is not None:
             self._log.close()
+        if self._short_dir is not None:
+            shutil.rmtree(self._short_dir, ignore_errors=True)
 
 
 def _uid(pod: str) -> str:
@@ -257,18 +267,38 @@ class NetnsPlatform(Platform):
             agent.start()
             self.cleanup.callback(agent.stop)
             self.agents[node] = agent
+        if self.config.client_proxy == "ztunnel":
+            from ztwisted.tools.lab.ztunnel_client import ZtunnelNodeA
+
+            # Writes node B's plug-in CA (ztunnel's test root) first, so it comes before node B starts.
+            ztunnel = ZtunnelNodeA(self.namespaces, self.workdir / "node-a", self.state_dir, self.a_mesh,
+                                   self.agents["node-a"].socket_path)
         self.node_b = self.node("node-b", addresses.node_b, self.b_mesh,
                                 node_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)))
-        self.node_a = self.node("node-a", addresses.node_a, self.a_mesh,
-                                node_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
         self.start_node(self.node_b)
-        self.start_node(self.node_a)
+        if self.config.client_proxy == "ztunnel":
+            self.node_a = ztunnel
+            self.node_a_reloads_config = False
+            self.cleanup.callback(ztunnel.stop)
+            ztunnel.start()
+        else:
+            self.node_a = self.node("node-a", addresses.node_a, self.a_mesh,
+                                    node_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
+            self.start_node(self.node_a)
         for pod, (service_account, node) in PODS.items():
             answer, _ = self.agents[node].call("add", uid=_uid(pod), name=pod, namespace="default",
                                                service_account=service_account, netns=self.namespaces.path(pod))
             failed = [ack for ack in answer.get("acks", []) if not ack.get("ok")]
             if failed or not answer.get("acks"):
                 raise LabError(f"{node} did not start pod {pod}: {failed or answer}")
+
+    def watch_wire(self, clock):
+        from ztwisted.tools.lab.wire import WireWatch
+
+        watch = WireWatch(clock, [self.namespaces.path(pod) for pod, (_, node) in PODS.items() if node == "node-a"],
+                          {self.addresses.b1: "b1", self.addresses.b2: "b2"})
+        self.cleanup.callback(watch.stop)
+        return watch.start()
 
     def client(self, pod: str) -> dict:
         vip, path = self.addresses.vip, self.namespaces.path(pod)

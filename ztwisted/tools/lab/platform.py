@@ -26,6 +26,8 @@ class Platform:
     node_a: NodeProcess
     node_b: NodeProcess
     b1_app: ServerApp
+    #: False when node A cannot follow discovery changes (ztunnel reading a local config file)
+    node_a_reloads_config = True
 
     def __init__(self, config, workdir: Path, state_dir: Path):
         self.config = config
@@ -37,6 +39,10 @@ class Platform:
 
     def close(self) -> None:
         self.cleanup.close()
+
+    def watch_wire(self, clock):
+        """A started :class:`ztwisted.tools.lab.wire.WireWatch` of node A's HBONE connections, or None (loopback)."""
+        return None
 
     def node(self, name: str, control_ip: str, config: Path, extra_args: tuple[str, ...]) -> NodeProcess:
         return NodeProcess(

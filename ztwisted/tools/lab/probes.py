@@ -102,13 +102,21 @@ def fetch(url: str, timeout: float = 3.0) -> bytes:
 
 
 class Sampler:
-    """Background polling of node A's pool and both nodes' metrics and CPU."""
+    """Background polling of node A's pool and both nodes' metrics and CPU.
 
-    def __init__(self, clock, node_a, node_b, *, b1_ip: str, b2_ip: str, interval: float = 0.2, metrics_every: int = 5):
+    With ``wire`` (a started :class:`ztwisted.tools.lab.wire.WireWatch`), node A's
+    connections per destination are those the client pods' TCP tables show;
+    node A's ``/config_dump`` pool, when it has one (ztwisted), still gives
+    the draining and stream counts.
+    """
+
+    def __init__(self, clock, node_a, node_b, *, b1_ip: str, b2_ip: str, interval: float = 0.2, metrics_every: int = 5,
+                 wire=None):
         self.clock = clock
         self.nodes = {"a": node_a, "b": node_b}
         self.b1_ip = b1_ip
         self.b2_ip = b2_ip
+        self.wire = wire
         self.interval = interval
         self.metrics_every = metrics_every
         #: {"t", "b1", "b2", "b1_draining"}: node A's pooled connections per destination
@@ -131,19 +139,27 @@ class Sampler:
         """Both nodes' metrics and CPU time now."""
         sample = {"t": round(self.clock(), 4), "cpu": {}}
         for name, node in self.nodes.items():
-            sample[name] = parse_metrics(fetch(f"http://{node.control_ip}:15020/metrics").decode())
+            sample[name] = parse_metrics(node.http("metrics", "/metrics")[1].decode())
             sample["cpu"][name] = cpu_seconds(node.process.pid)
         return sample
 
     def pool_now(self) -> dict:
-        dump = json.loads(fetch(f"http://{self.nodes['a'].control_ip}:15000/config_dump"))
         counts = {"t": round(self.clock(), 4), "b1": 0, "b2": 0, "b1_draining": 0, "streams_b1": 0}
+        if self.wire is not None:
+            read_at, held = self.wire.open_now()
+            if read_at is not None:
+                counts["t"] = read_at
+            counts.update(held)
+        if not getattr(self.nodes["a"], "has_pool_dump", True):
+            return counts
+        dump = json.loads(self.nodes["a"].http("admin", "/config_dump")[1])
         for entry in dump.get("pool", []):
             ip = entry.get("destination", "").rsplit(":", 1)[0]
             which = "b1" if ip == self.b1_ip else "b2" if ip == self.b2_ip else None
             if which is None:
                 continue
-            counts[which] += 1
+            if self.wire is None:
+                counts[which] += 1
             if which == "b1":
                 counts["streams_b1"] += entry.get("streams", 0)
                 if not entry.get("usable", True):

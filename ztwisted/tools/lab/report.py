@@ -24,8 +24,9 @@ COLUMNS = (
 LEGEND = """\
 sent/failed: requests of both client apps; failed how: reset, timeout, refused, closed (EOF mid-request), corrupt
 bytes lost: payload bytes written but never echoed back
-new HBONE/TLS: HBONE connections / TLS handshakes node A opened from "terminating" to the end of traffic;
-  to B1/B2: of those, the ones node A's pool polls saw appear per destination (a lower bound)
+new HBONE/TLS: HBONE connections / TLS handshakes node A opened from "terminating" to the end of traffic (counted
+  by node A, or by node B's inbound metrics when node A is ztunnel); to B1/B2: of those, the ones seen appear per
+  destination (node A's pool polls, or in netns mode the client pods' TCP tables; a lower bound)
 open p99/max: for connections opened in that window, connect through SOCKS5 until the tunnel is open (loopback
   mode), or connect until the first response byte (netns mode, where the redirect accepts at once)
 B1 conns at gone: node A's pooled connections to B1 when its network was torn down; last closed: seconds after that
@@ -93,7 +94,7 @@ def format_table(results: dict, legend: bool = True) -> str:
     lab = results["lab"]
     out.append("")
     out.append(
-        f"mode {lab['mode']}, seed {lab['seed']}, keepalive {lab['proxies']['keepalive_interval_s']:g}+"
+        f"mode {lab['mode']}, node A {lab.get('client_proxy', 'ztwisted')}, seed {lab['seed']}, keepalive {lab['proxies']['keepalive_interval_s']:g}+"
         f"{lab['proxies']['keepalive_timeout_s']:g} s, pod drain timeout {lab['proxies']['pod_drain_timeout_s']:g} s"
     )
     for approximation in lab["approximations"]:

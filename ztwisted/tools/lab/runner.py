@@ -49,6 +49,10 @@ def run_lab(config: LabConfig, progress: LabProgress | None = None, *, command: 
             keep_records: bool = False) -> dict:
     """Run every strategy of ``config``; returns the JSON-ready results."""
     config.timeline.check()
+    if config.client_proxy not in ("ztwisted", "ztunnel"):
+        raise LabError(f"--client-proxy must be ztwisted or ztunnel, not {config.client_proxy!r}")
+    if config.client_proxy == "ztunnel" and config.mode != "netns":
+        raise LabError("--client-proxy ztunnel needs --mode netns (ztunnel serves pods in their network namespaces)")
     if config.mode == "netns":
         check_netns_mode()
     elif config.mode != "loopback":
@@ -72,10 +76,15 @@ def run_lab(config: LabConfig, progress: LabProgress | None = None, *, command: 
         if temporary:
             shutil.rmtree(workdir, ignore_errors=True)
     approximations = list(dict.fromkeys(a for result in results for a in result["approximations"]))
+    if config.client_proxy == "ztunnel":
+        from ztwisted.tools.lab.ztunnel_client import ZTUNNEL_NOTES
+
+        approximations += ZTUNNEL_NOTES
     return {
         "lab": {
             "command": command,
             "mode": config.mode,
+            "client_proxy": config.client_proxy,
             "seed": config.seed,
             "strategies": [s.name for s in strategies],
             "timeline_s": config.timeline.as_json(),
@@ -107,6 +116,9 @@ def strategy_result(raw: dict, *, keep_records: bool = False) -> dict:
         "delete_before_teardown": raw["delete_before_teardown"],
         "events": raw["events"],
         "measures": measure(raw),
+        "pool_source": raw["pool_source"],
+        # node A's HBONE connections as the client pods' TCP tables showed them (netns mode)
+        "wire_connections": raw["wire_connections"],
         "series": series(records, raw["pool"], end),
         "scrapes": raw["scrapes"],
         "metrics_during": [_during(sample) for sample in raw["metrics"]],

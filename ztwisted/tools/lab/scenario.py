@@ -16,6 +16,7 @@ from the start of traffic (see :class:`Timeline`)::
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ from ztwisted.tools.lab.clients import Clock, PerRequestApp, PoolingApp, Recorde
 from ztwisted.tools.lab.loopback import LoopbackPlatform
 from ztwisted.tools.lab.mesh import write_mesh
 from ztwisted.tools.lab.platform import LabError
-from ztwisted.tools.lab.probes import Sampler, fetch, parse_metrics, total
+from ztwisted.tools.lab.probes import Sampler, parse_metrics, total
 
 __all__ = ["DEFAULT_STRATEGIES", "LabConfig", "LabError", "Strategy", "StrategyRun", "Timeline"]
 
@@ -77,6 +78,8 @@ class Timeline:
 class LabConfig:
     strategies: tuple[str, ...] = attr.ib(default=DEFAULT_STRATEGIES, converter=tuple)
     mode: str = attr.ib(default="loopback")
+    #: node A's proxy: ``ztwisted`` or ``ztunnel`` (the real one, netns mode only); node B is always ztwisted
+    client_proxy: str = attr.ib(default="ztwisted")
     seed: int = attr.ib(default=1)
     timeline: Timeline = attr.ib(factory=Timeline)
     traffic: Traffic = attr.ib(factory=Traffic)
@@ -176,7 +179,9 @@ class StrategyRun:
         cleanup = platform.cleanup
         self.clock = clock = Clock()
         self.recorder = recorder = Recorder(clock)
-        sampler = Sampler(clock, platform.node_a, platform.node_b, b1_ip=addresses.b1, b2_ip=addresses.b2).start()
+        wire = platform.watch_wire(clock)
+        sampler = Sampler(clock, platform.node_a, platform.node_b, b1_ip=addresses.b1, b2_ip=addresses.b2,
+                          wire=wire).start()
         cleanup.callback(sampler.stop)
         start_scrape = sampler.scrape()
         apps = [
@@ -235,6 +240,12 @@ class StrategyRun:
             "events": self.events,
             "records": recorder.records,
             "pool": sampler.pool,
+            "pool_source": "wire" if wire is not None else "config_dump",
+            "wire_connections": [] if wire is None else [
+                {**seen, "namespace": Path(key[0]).name, "local_port": key[2]}
+                for key, seen in wire.connections.items()
+            ],
+            "client_proxy": getattr(config, "client_proxy", "ztwisted"),
             "metrics": sampler.metrics,
             "scrapes": {"start": start_scrape, "before": before, "after": after},
             "ack": ack,
@@ -244,12 +255,25 @@ class StrategyRun:
                 for app in apps
             },
             "approximations": self.approximations,
-            "sampler_errors": sampler.errors,
+            "sampler_errors": sampler.errors + ([] if wire is None else wire.errors),
             "logs": {"node-a": str(platform.node_a.log_path), "node-b": str(platform.node_b.log_path)},
         }
 
     def _discovery(self, platform, changes: list[tuple[Path, str]], name: str) -> None:
         """Edit the nodes' config files; the event's time is the edit, ``applied_in_s`` when node A reloaded."""
+        if not platform.node_a_reloads_config:
+            for path, b1 in changes:
+                write_mesh(path, platform.addresses, b1=b1)
+            # ztunnel reads its LOCAL_XDS_PATH once, at start; without an XDS server node A never learns this.
+            # Its /config_dump shows what it still believes.
+            try:
+                workloads = json.loads(platform.node_a.http("admin", "/config_dump")[1]).get("workloads", [])
+                lists_b1 = platform.addresses.b1 in json.dumps(workloads)
+            except (OSError, ValueError):
+                lists_b1 = None
+            self.event(name, applied_in_s=None, node_a="not delivered: ztunnel reads its local config file once",
+                       node_a_config_dump_lists_b1=lists_b1)
+            return
         reloads = _reloads(platform.node_a)
         for path, b1 in changes:
             write_mesh(path, platform.addresses, b1=b1)
@@ -278,6 +302,6 @@ class StrategyRun:
 
 def _reloads(node: NodeProcess) -> float:
     try:
-        return total(parse_metrics(fetch(f"http://{node.control_ip}:15020/metrics").decode()), "ztwisted_config_reloads_total")
+        return total(parse_metrics(node.http("metrics", "/metrics")[1].decode()), "ztwisted_config_reloads_total")
     except OSError:
         return 0.0

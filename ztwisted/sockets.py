@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.application import strports
 from twisted.application.service import Service
-from twisted.internet import defer
+from twisted.internet import defer, tcp
 from twisted.internet.protocol import Factory
 from twisted.python.failure import Failure
 
@@ -206,6 +206,44 @@ def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], 
 
     return waiter.result.addCallback(adopt).addBoth(close_socket)
 
+
+
+def write_through(transport) -> None:
+    """Make ``transport.write`` send at once when nothing is queued; queue only what the kernel does not take.
+
+    Twisted's TCP transport queues every write until the reactor next polls
+    for writability: per message an ``epoll_ctl`` to arm it, a poll, the
+    ``send``, and an ``epoll_ctl`` to disarm it. A proxy forwarding one small
+    message on each hop pays that on every hop. With nothing queued, the
+    order of bytes cannot change by sending now; what the socket does not
+    accept (EAGAIN, a partial send) goes to Twisted's queue as before, and so
+    do writes to a transport that is closing or that has a queue, and errors
+    (Twisted's own write then reports them). Transports other than Twisted's
+    TCP connections are left alone.
+    """
+    if not isinstance(transport, tcp.Connection):
+        return
+    queued_write = transport.write
+
+    def write(data: bytes) -> None:
+        # Twisted's queue: dataBuffer from offset on, then _tempDataBuffer (_tempDataLen bytes).
+        if (
+            transport.connected
+            and not transport.disconnecting
+            and not transport._writeDisconnected
+            and not transport._tempDataLen
+            and transport.offset == len(transport.dataBuffer)
+            and data
+        ):
+            sent = transport.writeSomeData(data)
+            if isinstance(sent, Exception) or sent < 0:
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        queued_write(data)
+
+    transport.write = write
 
 
 class ReusePortService(Service):

@@ -21,10 +21,12 @@ from twisted.internet.interfaces import (
     IOpenSSLServerConnectionCreator,
 )
 from twisted.logger import Logger
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from zope.interface import implementer
 
 from ztwisted.ca import IssuedCertificate
 from ztwisted.identity import SpiffeId, spiffe_ids, uri_sans
+from ztwisted.sockets import write_through
 
 try:
     # Private but stable: the binding pyOpenSSL itself uses for X509 errors.
@@ -275,3 +277,19 @@ def negotiated_alpn(connection_or_transport: object) -> bytes | None:
     if connection is None:
         return getattr(connection_or_transport, "negotiatedProtocol", None)
     return connection.get_alpn_proto_negotiated() or None
+
+
+class _WriteThroughTLSTransport(BufferingTLSTransport):
+    """Twisted's TLS transport (the writes of one reactor turn become one TLS record, sent at
+    the end of the turn), over a TCP connection that sends that record at once."""
+
+    def makeConnection(self, transport) -> None:
+        write_through(transport)
+        super().makeConnection(transport)
+
+
+def tls_factory(creator, is_client: bool, wrapped_factory) -> TLSMemoryBIOFactory:
+    """A ``TLSMemoryBIOFactory`` for HBONE connections: see :class:`_WriteThroughTLSTransport`."""
+    factory = TLSMemoryBIOFactory(creator, is_client, wrapped_factory)
+    factory.protocol = _WriteThroughTLSTransport
+    return factory

@@ -14,7 +14,7 @@ from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbo
 from ztwisted.metrics import ConnectionLabels
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
-from ztwisted.tls import ServerTLS, peer_identity
+from ztwisted.tls import ServerTLS, peer_identity, tls_factory
 
 log = Logger()
 
@@ -68,7 +68,7 @@ class InboundHBONE:
         self._tls = ServerTLS(lambda: node.certificates.get(workload.identity), trust_domain=workload.trust_domain)
 
     def factory(self) -> TLSMemoryBIOFactory:
-        return TLSMemoryBIOFactory(self._tls, False, _ConnectionFactory(self))
+        return tls_factory(self._tls, False, _ConnectionFactory(self))
 
     def _connection_made(self, connection: HBONEConnection) -> None:
         track_hbone_connection(self.node.metrics, connection, "inbound")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -208,6 +209,33 @@ def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], 
 
 
 
+class _WriteThrough:
+    """Mixed into a TCP transport's class by :func:`write_through`."""
+
+    def write(self, data: bytes) -> None:
+        # Twisted's queue: dataBuffer from offset on, then _tempDataBuffer (_tempDataLen bytes).
+        if (
+            self.connected
+            and not self.disconnecting
+            and not self._writeDisconnected
+            and not self._tempDataLen
+            and self.offset == len(self.dataBuffer)
+            and data
+        ):
+            sent = self.writeSomeData(data)
+            if isinstance(sent, Exception) or sent < 0:
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        super().write(data)
+
+
+@functools.cache
+def _with_write_through(transport_class: type) -> type:
+    return type(f"WriteThrough{transport_class.__name__}", (_WriteThrough, transport_class), {})
+
+
 def write_through(transport) -> None:
     """Make ``transport.write`` send at once when nothing is queued; queue only what the kernel does not take.
 
@@ -220,30 +248,14 @@ def write_through(transport) -> None:
     do writes to a transport that is closing or that has a queue, and errors
     (Twisted's own write then reports them). Transports other than Twisted's
     TCP connections are left alone.
+
+    The transport changes class (to a subclass adding :class:`_WriteThrough`)
+    rather than getting a ``write`` attribute of its own: that costs no memory
+    per connection, where a closure per transport added ~0.6 KiB to every
+    idle tunneled connection.
     """
-    if not isinstance(transport, tcp.Connection):
-        return
-    queued_write = transport.write
-
-    def write(data: bytes) -> None:
-        # Twisted's queue: dataBuffer from offset on, then _tempDataBuffer (_tempDataLen bytes).
-        if (
-            transport.connected
-            and not transport.disconnecting
-            and not transport._writeDisconnected
-            and not transport._tempDataLen
-            and transport.offset == len(transport.dataBuffer)
-            and data
-        ):
-            sent = transport.writeSomeData(data)
-            if isinstance(sent, Exception) or sent < 0:
-                sent = 0
-            if sent == len(data):
-                return
-            data = data[sent:]
-        queued_write(data)
-
-    transport.write = write
+    if isinstance(transport, tcp.Connection) and not isinstance(transport, _WriteThrough):
+        transport.__class__ = _with_write_through(type(transport))
 
 
 class ReusePortService(Service):

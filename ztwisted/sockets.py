@@ -249,6 +249,11 @@ def write_through(transport) -> None:
     (Twisted's own write then reports them). Transports other than Twisted's
     TCP connections are left alone.
 
+    Nagle's algorithm is turned off (TCP_NODELAY, as ztunnel and Envoy do):
+    the writes are already coalesced (the TLS layer makes one record of a
+    reactor turn's HTTP/2 frames), and with Nagle a small write sent at once
+    would hold back the next one until the peer's delayed ACK, 40 ms later.
+
     The transport changes class (to a subclass adding :class:`_WriteThrough`)
     rather than getting a ``write`` attribute of its own: that costs no memory
     per connection, where a closure per transport added ~0.6 KiB to every
@@ -256,6 +261,7 @@ def write_through(transport) -> None:
     """
     if isinstance(transport, tcp.Connection) and not isinstance(transport, _WriteThrough):
         transport.__class__ = _with_write_through(type(transport))
+        transport.setTcpNoDelay(True)
 
 
 class ReusePortService(Service):

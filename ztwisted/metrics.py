@@ -123,6 +123,16 @@ class _WithoutCreated:
             yield trimmed
 
 
+@attrs.frozen
+class _TrafficChildren:
+    """The four istio_tcp_* counters of one label set."""
+
+    opened: Any
+    closed: Any
+    sent: Any
+    received: Any
+
+
 class Metrics:
     """All of a node's metrics, on a private registry."""
 
@@ -131,6 +141,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._metrics: dict[str, tuple[type, tuple[str, ...], Any]] = {}
+        self._traffic_children: dict[ConnectionLabels, _TrafficChildren] = {}
 
         self.connections_opened = self.counter(
             "istio_tcp_connections_opened_total",
@@ -166,20 +177,40 @@ class Metrics:
     # -- istio_tcp_* helpers -------------------------------------------------
 
     def opened(self, labels: ConnectionLabels) -> None:
-        self.connections_opened.labels(**labels.as_dict()).inc()
+        self._traffic(labels).opened.inc()
 
     def closed(self, labels: ConnectionLabels) -> None:
-        self.connections_closed.labels(**labels.as_dict()).inc()
+        self._traffic(labels).closed.inc()
 
     def bytes(self, labels: ConnectionLabels, sent: int = 0, received: int = 0) -> None:
         """Count bytes as ztunnel's counters name them (no reporter-dependent flip)."""
         if sent < 0 or received < 0:
             raise ValueError(f"byte counts cannot be negative (sent={sent}, received={received})")
-        values = labels.as_dict()
+        children = self._traffic(labels)
         if sent:
-            self.sent_bytes.labels(**values).inc(sent)
+            children.sent.inc(sent)
         if received:
-            self.received_bytes.labels(**values).inc(received)
+            children.received.inc(received)
+
+    def _traffic(self, labels: ConnectionLabels) -> _TrafficChildren:
+        """The istio_tcp_* series of one label set, resolved once.
+
+        prometheus_client's ``labels()`` validates and looks up its eleven
+        values on every call; a connection updates four series. The cache
+        holds no more than prometheus_client itself keeps (a child per label
+        set, never removed).
+        """
+        children = self._traffic_children.get(labels)
+        if children is None:
+            values = labels.as_dict()
+            children = _TrafficChildren(
+                opened=self.connections_opened.labels(**values),
+                closed=self.connections_closed.labels(**values),
+                sent=self.sent_bytes.labels(**values),
+                received=self.received_bytes.labels(**values),
+            )
+            self._traffic_children[labels] = children
+        return children
 
     # -- create-or-return ----------------------------------------------------
 

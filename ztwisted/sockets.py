@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import os
 import re
@@ -10,7 +11,7 @@ import socket
 import struct
 from typing import Any
 
-from twisted.internet import defer
+from twisted.internet import defer, tcp
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -237,6 +238,62 @@ def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], 
         return result
 
     return waiter.result.addCallback(adopt).addBoth(close_socket)
+
+
+class _WriteThrough:
+    """Mixed into a TCP transport's class by :func:`write_through`."""
+
+    def write(self, data: bytes) -> None:
+        # Twisted's queue: dataBuffer from offset on, then _tempDataBuffer (_tempDataLen bytes).
+        if (
+            self.connected
+            and not self.disconnecting
+            and not self._aborting  # an aborted connection drops what is written
+            and not self._writeDisconnected
+            and not self._tempDataLen
+            and self.offset == len(self.dataBuffer)
+            and data
+        ):
+            sent = self.writeSomeData(data)
+            if isinstance(sent, Exception) or sent < 0:
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        super().write(data)
+
+
+@functools.cache
+def _with_write_through(transport_class: type) -> type:
+    return type(f"WriteThrough{transport_class.__name__}", (_WriteThrough, transport_class), {})
+
+
+def write_through(transport) -> None:
+    """Make ``transport.write`` send at once when nothing is queued; queue only what the kernel does not take.
+
+    Twisted's TCP transport queues every write until the reactor next polls
+    for writability: per message an ``epoll_ctl`` to arm it, a poll, the
+    ``send``, and an ``epoll_ctl`` to disarm it. A proxy forwarding one small
+    message on each hop pays that on every hop. With nothing queued, the
+    order of bytes cannot change by sending now; what the socket does not
+    accept (EAGAIN, a partial send) goes to Twisted's queue as before, and so
+    do writes to a transport that is closing or that has a queue, and errors
+    (Twisted's own write then reports them). Transports other than Twisted's
+    TCP connections are left alone.
+
+    Nagle's algorithm is turned off (TCP_NODELAY, as ztunnel and Envoy do):
+    the writes are already coalesced (the TLS layer makes one record of a
+    reactor turn's HTTP/2 frames), and with Nagle a small write sent at once
+    would hold back the next one until the peer's delayed ACK, 40 ms later.
+
+    The transport changes class (to a subclass adding :class:`_WriteThrough`)
+    rather than getting a ``write`` attribute of its own: that costs no memory
+    per connection, where a closure per transport added ~0.6 KiB to every
+    idle tunneled connection.
+    """
+    if isinstance(transport, tcp.Connection) and not isinstance(transport, _WriteThrough):
+        transport.__class__ = _with_write_through(type(transport))
+        transport.setTcpNoDelay(True)
 
 
 class CannotListen(Exception):

@@ -11,6 +11,7 @@ from twisted.internet.protocol import Protocol
 from zope.interface import implementer
 
 from ztwisted.interfaces import IPipeEnd
+from ztwisted.sockets import write_through
 
 
 @implementer(IPipeEnd, IHalfCloseableProtocol)
@@ -40,6 +41,7 @@ class TCPEnd(Protocol):
     # -- Protocol -------------------------------------------------------------
 
     def connectionMade(self) -> None:
+        write_through(self.transport)
         if self.partner is not None:
             self.transport.registerProducer(self.partner, True)
         pending, self._pending = self._pending, []

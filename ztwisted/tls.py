@@ -21,10 +21,12 @@ from twisted.internet.interfaces import (
     IOpenSSLServerConnectionCreator,
 )
 from twisted.logger import Logger
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from zope.interface import implementer
 
 from ztwisted.ca import IssuedCertificate
 from ztwisted.identity import SpiffeId, spiffe_ids, uri_sans
+from ztwisted.sockets import write_through
 
 try:
     # Private but stable: the binding pyOpenSSL itself uses for X509 errors.
@@ -275,3 +277,58 @@ def negotiated_alpn(connection_or_transport: object) -> bytes | None:
     if connection is None:
         return getattr(connection_or_transport, "negotiatedProtocol", None)
     return connection.get_alpn_proto_negotiated() or None
+
+
+class _WriteThroughTLSTransport(BufferingTLSTransport):
+    """Twisted's TLS transport over a TCP connection that sends at once (:func:`write_through`).
+
+    Twisted makes one TLS write of a reactor turn's writes (at the end of the
+    turn) and splits it into 16 KiB records, handing each record to TCP as
+    soon as it is encrypted. Sent at once, that is a ``send`` per record;
+    here the records of one write are joined and sent together.
+    """
+
+    _records: list[bytes] | None = None
+
+    def makeConnection(self, transport) -> None:
+        write_through(transport)
+        super().makeConnection(transport)
+
+    def _write(self, data: bytes) -> None:
+        if self._records is not None:  # re-entered: the outer call sends
+            super()._write(data)
+            return
+        self._records = []
+        try:
+            super()._write(data)
+        finally:
+            records, self._records = self._records, None
+            if records:
+                self.transport.write(b"".join(records))
+
+    def abortConnection(self) -> None:
+        # Twisted's TLS abort writes a close_notify, then aborts TCP, which drops it
+        # unsent. Sent at once, it would reach the peer and make the abrupt end look
+        # like a clean one: keep back what the abort encrypts.
+        self._records = []
+        try:
+            super().abortConnection()
+        finally:
+            self._records = None
+
+    def _flushSendBIO(self) -> None:
+        if self._records is None:
+            super()._flushSendBIO()
+            return
+        try:
+            self._records.append(self._tlsConnection.bio_read(2**15))
+        except SSL.WantReadError:
+            pass  # nothing in the send BIO
+
+
+def tls_factory(creator, is_client: bool, wrapped_factory, factory_class=TLSMemoryBIOFactory) -> TLSMemoryBIOFactory:
+    """A ``TLSMemoryBIOFactory`` (or ``factory_class``, a subclass) for HBONE connections: see
+    :class:`_WriteThroughTLSTransport`."""
+    factory = factory_class(creator, is_client, wrapped_factory)
+    factory.protocol = _WriteThroughTLSTransport
+    return factory

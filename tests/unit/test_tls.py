@@ -29,6 +29,7 @@ from ztwisted.tls import (
     ServerTLS,
     negotiated_alpn,
     peer_identity,
+    tls_factory,
 )
 
 CLIENT = SpiffeId("cluster.local", "default", "client")
@@ -452,5 +453,64 @@ def test_unexpected_server_fails_over_loopback_tcp(server_cert, client_cert):
         yield within(servers[0].closed, reactor)
         assert servers[0].lost.check(SSL.Error)
         assert not servers[0].handshake_done
+    finally:
+        yield tcp_cleanup(port, client, servers)
+
+
+@pytest_twisted.inlineCallbacks
+def test_tls_factory_sends_the_records_of_one_write_together(server_cert, client_cert):
+    """64 KiB is four TLS records: handed to TCP as one write, sent at once, arriving whole."""
+    from twisted.internet import reactor
+
+    servers: list[Peer] = []
+    server_factory = TLSMemoryBIOFactory(
+        server_for(server_cert), False, Factory.forProtocol(lambda: servers.append(Peer()) or servers[-1])
+    )
+    port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
+    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer)))
+    client = client_tls.wrappedProtocol
+    try:
+        assert (yield within(client.handshake, reactor))
+        tcp = client_tls.transport
+        assert tcp.getTcpNoDelay()
+        tcp_writes = []
+        send = tcp.write
+        tcp.write = lambda data: (tcp_writes.append(len(data)), send(data))  # this test's probe only
+        payload = bytes(range(256)) * 256
+        client_tls.write(payload)  # above Twisted's 64,000-byte aggregation limit: encrypted now
+        assert len(tcp_writes) == 1 and tcp_writes[0] > len(payload), tcp_writes
+        # Sent at once: nothing waits in Twisted's queue for the next poll.
+        assert tcp.dataBuffer[tcp.offset:] == b"" and not tcp._tempDataBuffer
+        deadline = reactor.seconds() + TCP_TIMEOUT
+        while len(servers[0].received) < len(payload) and reactor.seconds() < deadline:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        assert servers[0].received == payload
+    finally:
+        yield tcp_cleanup(port, client, servers)
+
+
+@pytest_twisted.inlineCallbacks
+def test_tls_factory_abort_sends_no_close_notify(server_cert, client_cert):
+    """Writes go out at once, but an abort still ends without close_notify: nothing reaches TCP."""
+    from twisted.internet import reactor
+
+    servers: list[Peer] = []
+    server_factory = TLSMemoryBIOFactory(
+        server_for(server_cert), False, Factory.forProtocol(lambda: servers.append(Peer()) or servers[-1])
+    )
+    port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
+    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer)))
+    client = client_tls.wrappedProtocol
+    try:
+        assert (yield within(client.handshake, reactor))
+        tcp = client_tls.transport
+        tcp_writes = []
+        send = tcp.write
+        tcp.write = lambda data: (tcp_writes.append(data), send(data))  # this test's probe only
+        client_tls.abortConnection()
+        assert tcp_writes == [], "the abort handed TCP a close_notify"
+        yield within(client.closed, reactor)
     finally:
         yield tcp_cleanup(port, client, servers)

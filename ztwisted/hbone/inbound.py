@@ -16,7 +16,7 @@ from ztwisted.metrics import ConnectionLabels
 from ztwisted.network import HostNetwork
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
-from ztwisted.tls import ServerTLS, peer_identity
+from ztwisted.tls import ServerTLS, peer_identity, tls_factory
 
 log = Logger()
 
@@ -84,8 +84,8 @@ class _InboundTLSFactory(TLSMemoryBIOFactory):
     """Closes a connection at once while the workload has no certificate to present (one from a
     remote CA may still be on its way), instead of failing inside the TLS setup."""
 
-    def __init__(self, server_tls: ServerTLS, wrapped_factory):
-        super().__init__(server_tls, False, wrapped_factory)
+    def __init__(self, server_tls: ServerTLS, is_client: bool, wrapped_factory):
+        super().__init__(server_tls, is_client, wrapped_factory)
         self._server_tls = server_tls
 
     def buildProtocol(self, addr):
@@ -123,7 +123,7 @@ class InboundHBONE:
         self._tls = ServerTLS(lambda: context.certificates.get(self.workload.identity), trust_domain=workload.trust_domain)
 
     def factory(self) -> TLSMemoryBIOFactory:
-        return _InboundTLSFactory(self._tls, _ConnectionFactory(self))
+        return tls_factory(self._tls, False, _ConnectionFactory(self), factory_class=_InboundTLSFactory)
 
     def _connection_made(self, connection: HBONEConnection) -> None:
         track_hbone_connection(self.context.metrics, connection, "inbound")

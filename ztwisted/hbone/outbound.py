@@ -8,7 +8,6 @@ import ipaddress
 from twisted.internet import defer, error
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
-from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from ztwisted.context import ProxyContext
 from ztwisted.h2.connection import ConnectionGone, HBONEConnection, TunnelError, TunnelRefused
@@ -18,7 +17,7 @@ from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbo
 from ztwisted.metrics import ConnectionLabels
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
-from ztwisted.tls import ClientTLS, peer_identity
+from ztwisted.tls import ClientTLS, peer_identity, tls_factory
 
 log = Logger()
 
@@ -150,7 +149,7 @@ class Outbound:
             settings=context.client_h2_settings,
             get_peer_identity=peer_identity,
         )
-        factory = TLSMemoryBIOFactory(creator, True, factory_for(connection))
+        factory = tls_factory(creator, True, factory_for(connection))
         factory.noisy = False
         ip, port = key.destination
         source = context.local_workload_by_ip(key.source_ip)

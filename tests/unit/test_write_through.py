@@ -1,0 +1,85 @@
+"""ztwisted.sockets.write_through on real TCP connections of the running reactor."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest_twisted
+from twisted.internet import defer, protocol, reactor, threads
+
+from ztwisted.sockets import write_through
+
+
+class _Accepted(protocol.Protocol):
+    def connectionMade(self):
+        self.factory.accepted.callback(self)
+
+
+@defer.inlineCallbacks
+def _connected_pair():
+    """(the reactor's accepted transport, a plain blocking client socket)."""
+    factory = protocol.Factory.forProtocol(_Accepted)
+    factory.accepted = defer.Deferred()
+    port = reactor.listenTCP(0, factory, interface="127.0.0.1")
+    client = socket.create_connection(("127.0.0.1", port.getHost().port))
+    server = yield factory.accepted
+    yield port.stopListening()
+    return server.transport, client
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    sock.settimeout(10)
+    chunks, got = [], 0
+    while got < size:
+        chunk = sock.recv(min(1 << 20, size - got))
+        assert chunk, f"connection closed after {got} of {size} bytes"
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_write_with_nothing_queued_is_sent_before_the_reactor_runs_again():
+    transport, client = yield _connected_pair()
+    try:
+        write_through(transport)
+        transport.write(b"hello")
+        # No reactor turn in between: the bytes are already in the kernel.
+        client.setblocking(False)
+        assert client.recv(100) == b"hello"
+        assert transport.dataBuffer[transport.offset:] == b"" and not transport._tempDataBuffer
+        assert transport.getTcpNoDelay()
+    finally:
+        client.close()
+        transport.abortConnection()
+
+
+@pytest_twisted.inlineCallbacks
+def test_what_the_socket_does_not_take_is_queued_and_order_is_kept():
+    transport, client = yield _connected_pair()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        write_through(transport)
+        big = bytes(range(256)) * 1024  # 256 KiB: far more than the socket buffers hold
+        transport.write(big)
+        assert transport._tempDataLen > 0 or len(transport.dataBuffer) > transport.offset, "nothing was queued"
+        # With a queue, later writes join it instead of jumping ahead.
+        transport.write(b"tail")
+        received = yield threads.deferToThread(_read_exactly, client, len(big) + 4)
+        assert received == big + b"tail"
+    finally:
+        client.close()
+        transport.abortConnection()
+
+
+@pytest_twisted.inlineCallbacks
+def test_other_transports_are_left_alone():
+    from twisted.internet.testing import StringTransport
+
+    transport = StringTransport()
+    write_through(transport)
+    transport.write(b"x")
+    assert transport.value() == b"x"
+    assert type(transport) is StringTransport
+    yield defer.succeed(None)

@@ -508,7 +508,7 @@ class _Reader:
         if top is None:
             return None
         workloads, services, policies = (top.get(k, ()) for k in ("workloads", "services", "policies"))
-        return Mesh(*self._cross_check(workloads, services, policies))
+        return Mesh(*_CrossChecks(self.warning, self._derived_uids)(workloads, services, policies))
 
     def workload(self, value: Any, path: str) -> Workload | object:
         s = self.scalar
@@ -673,16 +673,22 @@ class _Reader:
         checked = self.record(value, path, fields)
         return _INVALID if checked is None else Match(**checked)
 
-    # checks across entries (they run once every entry is valid by itself)
 
-    def _cross_check(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
-                     policies: tuple[Policy, ...]) -> tuple[tuple[Workload, ...], tuple[Service, ...], tuple[Policy, ...]]:
-        """What ztunnel makes of entries that collide or refer to nothing, each with a warning.
+class _CrossChecks:
+    """Checks across entries, run once every entry is valid by itself.
 
-        ztunnel accepts such files: a later workload, service or policy with the
-        same key replaces the earlier one; addresses may be shared (see
-        ``Mesh``); references to what the file lacks have no effect.
-        """
+    What ztunnel makes of entries that collide or refer to nothing, each with
+    a warning: ztunnel accepts such files. A later workload, service or policy
+    with the same key replaces the earlier one; addresses may be shared (see
+    ``Mesh``); references to what the file lacks have no effect.
+    """
+
+    def __init__(self, warning: Callable[[str, str], None], derived_uids: set[int]) -> None:
+        self.warning = warning
+        self._derived_uids = derived_uids
+
+    def __call__(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
+                 policies: tuple[Policy, ...]) -> tuple[tuple[Workload, ...], tuple[Service, ...], tuple[Policy, ...]]:
         workloads = self._last_wins(workloads, "workloads", lambda w: w.uid, lambda w, i: (
             f"duplicate uid {w.uid!r}" + (" (uid not set: made from clusterId, namespace and name)"
                                           if id(w) in self._derived_uids else "")), "uid")
@@ -690,6 +696,11 @@ class _Reader:
                                    lambda s, i: f"duplicate service {s.key!r}")
         policies = self._last_wins(policies, "policies", lambda p: p.key,
                                    lambda p, i: f"duplicate policy {p.key!r}")
+        self._shared_addresses(workloads, services)
+        self._references(workloads, services, policies)
+        return workloads, services, policies
+
+    def _shared_addresses(self, workloads: tuple[Workload, ...], services: tuple[Service, ...]) -> None:
         ips: dict[Any, str] = {}
         for i, w in enumerate(workloads):
             for j, ip in enumerate(() if w.network_mode == "HostNetwork" else w.workload_ips):
@@ -711,6 +722,9 @@ class _Reader:
                                  f"{ip} is also a VIP of {owners[svc.namespace]} in the same namespace; as in ztunnel, "
                                  "this later service takes it")
                 owners[svc.namespace] = f"service {svc.key!r}"
+
+    def _references(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
+                    policies: tuple[Policy, ...]) -> None:
         service_keys = {svc.key for svc in services}
         policy_keys = {p.key for p in policies}
         for i, w in enumerate(workloads):
@@ -724,7 +738,6 @@ class _Reader:
                 if key not in policy_keys:
                     self.warning(f"workloads[{i}].authorizationPolicies[{j}]",
                                  f"no policy {key!r} in policies; as in ztunnel, it selects nothing")
-        return workloads, services, policies
 
     def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], str],
                    describe: Callable[[Any, int], str], field: str | None = None) -> tuple:

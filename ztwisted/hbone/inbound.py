@@ -141,19 +141,29 @@ class InboundHBONE:
         )
 
     def _tunnel_requested(self, connection: HBONEConnection, stream: Stream) -> None:
-        mesh = self.context.mesh
         authority = stream.headers.get(":authority", "")
-        peer = connection.transport.getPeer()
-        source_ip = peer.host
-        source_identity = connection.peer_identity
         target = parse_authority(authority)
+        record = self._record(connection, stream, authority, target)
+        refusal = self._refusal(connection, authority, target)
+        if refusal is not None:
+            status, flags, reason = refusal
+            record.refused(flags, reason)
+            stream.refuse(status)
+            return
+        self._connect_app(stream, record, *target)
+
+    def _record(self, connection: HBONEConnection, stream: Stream, authority: str, target) -> ConnectionRecord:
+        """The metrics and access-log record of one tunnel, whatever becomes of it."""
+        mesh = self.context.mesh
+        peer = connection.transport.getPeer()
+        source_identity = connection.peer_identity
         service = _inbound_service(mesh, self.workload, target[1]) if target is not None else None
-        record = ConnectionRecord(
+        return ConnectionRecord(
             self.context.metrics,
             self.context.reactor,
             ConnectionLabels.for_connection(
                 "destination",
-                source=mesh.workload_by_ip(source_ip),
+                source=mesh.workload_by_ip(peer.host),
                 destination=self.workload,
                 service=service,
                 source_identity=source_identity,
@@ -173,32 +183,30 @@ class InboundHBONE:
                 "dst.identity": str(self.workload.identity),
             },
         )
+
+    def _refusal(self, connection: HBONEConnection, authority: str, target) -> tuple[int, str, str] | None:
+        """Why this tunnel is refused, as (HTTP status, response flags, reason), or None to open it."""
         if target is None:
-            record.refused("-", f"bad authority {authority!r}")
-            stream.refuse(400)
-            return
+            return 400, "-", f"bad authority {authority!r}"
         ip, port = target
         if not serves_address(self.workload, self.network, ip, connection.transport.getHost().host):
-            record.refused("-", f"{ip} is not a workload served here")
-            stream.refuse(400)
-            return
+            return 400, "-", f"{ip} is not a workload served here"
         if port in illegal_ports(self.context.settings):
             # ztunnel answers a call to its own ports 503 (it fails to pick an upstream).
-            record.refused("-", SELF_CALL.format(port=port))
-            stream.refuse(503)
-            return
+            return 503, "-", SELF_CALL.format(port=port)
         decision = authorize(
-            mesh.policies,
-            source=source_identity,
-            source_ip=ipaddress.ip_address(source_ip),
+            self.context.mesh.policies,
+            source=connection.peer_identity,
+            source_ip=ipaddress.ip_address(connection.transport.getPeer().host),
             destination=self.workload,
             destination_ip=ipaddress.ip_address(ip),
             destination_port=port,
         )
         if not decision.allowed:
-            record.refused("DENY", _denial(decision))
-            stream.refuse(401)
-            return
+            return 401, "DENY", _denial(decision)
+        return None
+
+    def _connect_app(self, stream: Stream, record: ConnectionRecord, ip: str, port: int) -> None:
         app = TCPEnd()
         connecting = self.network.connect(ip, port, factory_for(app), timeout=self.context.connect_timeout)
 

@@ -270,7 +270,8 @@ class StrategyRun:
             time.sleep(0.02)
         else:
             self.events[-1]["applied_in_s"] = None
-            self.events[-1]["node_a_config_dump_b1"] = seen
+        # what node A's /config_dump said of B1 last: ready, unready, gone (None: unreadable)
+        self.events[-1]["node_a_config_dump_b1"] = seen
 
     def _delete(self, platform) -> dict:
         self.event("delete")

@@ -10,7 +10,8 @@ driven by its own ``ztunnel-agent``, which hands them the pods' namespaces
 rule, an iptables ``REDIRECT`` of their connections to the service VIP to
 their proxy's port 15001 (its own marked traffic excepted), and the apps run
 in threads that entered the pods' namespaces. The teardown deletes B1's
-veth: its address really vanishes.
+veth: its address really vanishes. Discovery and certificates come from one
+``ztunnel-control-plane`` (see :class:`NetnsPlatform`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def missing_for_netns() -> list[str]:
         missing.append("iptables, for the client pods' redirect to their proxy (SO_ORIGINAL_DST needs a NAT rule)")
     if importlib.util.find_spec("ztwisted.inpod.agent") is None:
         missing.append("ztwisted.inpod.agent (the ZDS node agent)")
+    if importlib.util.find_spec("grpc") is None:
+        missing.append("grpcio, for the lab control plane that feeds both nodes (pip install 'ztwisted[control-plane]')")
     return missing
 
 

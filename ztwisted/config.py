@@ -28,7 +28,7 @@ import difflib
 import ipaddress
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from importlib import resources
 from typing import Any
 
@@ -48,6 +48,7 @@ from ztwisted.model import (
     StringMatch,
     Workload,
     normalize_principal,
+    unique_key,
 )
 
 __all__ = [
@@ -683,12 +684,13 @@ class _Reader:
         same key replaces the earlier one; addresses may be shared (see
         ``Mesh``); references to what the file lacks have no effect.
         """
-        workloads = self._last_wins(workloads, "workloads", lambda w: w.uid, lambda w, i: (
+        # The same rule as Mesh and the xDS client: only these keys are unique (model.unique_key).
+        workloads = self._last_wins(workloads, "workloads", unique_key, lambda w, i: (
             f"duplicate uid {w.uid!r}" + (" (uid not set: made from clusterId, namespace and name)"
                                           if id(w) in self._derived_uids else "")), "uid")
-        services = self._last_wins(services, "services", lambda s: s.key,
+        services = self._last_wins(services, "services", unique_key,
                                    lambda s, i: f"duplicate service {s.key!r}")
-        policies = self._last_wins(policies, "policies", lambda p: p.key,
+        policies = self._last_wins(policies, "policies", unique_key,
                                    lambda p, i: f"duplicate policy {p.key!r}")
         ips: dict[Any, str] = {}
         for i, w in enumerate(workloads):
@@ -726,7 +728,7 @@ class _Reader:
                                  f"no policy {key!r} in policies; as in ztunnel, it selects nothing")
         return workloads, services, policies
 
-    def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], str],
+    def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], Hashable],
                    describe: Callable[[Any, int], str], field: str | None = None) -> tuple:
         """``entries`` without those a later entry with the same key replaces (ztunnel's rule), warned about."""
         last = {key(entry): i for i, entry in enumerate(entries)}

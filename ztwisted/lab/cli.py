@@ -75,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                      help="comma-separated; combine ztwisted strategies with '+' (default: %(default)s)")
     run.add_argument("--mode", choices=("loopback", "netns"), default="loopback",
-                     help="loopback: pods on 127.x addresses (default); netns: pods in network namespaces (root)")
+                     help="loopback: pods on 127.x addresses, discovery from local config files (default); netns: pods in "
+                          "network namespaces, discovery and certificates from a lab ztunnel-control-plane (root)")
     run.add_argument("--client-proxy", choices=("ztwisted", "ztunnel"), default="ztwisted",
                      help="node A, the client pods' node: ztwisted (default) or Istio's real ztunnel (needs --mode "
                      "netns and the cached build of tests/peers/ztunnel_build.py); node B is always ztwisted")

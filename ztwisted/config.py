@@ -28,7 +28,7 @@ import difflib
 import ipaddress
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from importlib import resources
 from typing import Any
 
@@ -48,6 +48,7 @@ from ztwisted.model import (
     StringMatch,
     Workload,
     normalize_principal,
+    unique_key,
 )
 
 __all__ = [
@@ -689,12 +690,13 @@ class _CrossChecks:
 
     def __call__(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
                  policies: tuple[Policy, ...]) -> tuple[tuple[Workload, ...], tuple[Service, ...], tuple[Policy, ...]]:
-        workloads = self._last_wins(workloads, "workloads", lambda w: w.uid, lambda w, i: (
+        # The same rule as Mesh and the xDS client: only these keys are unique (model.unique_key).
+        workloads = self._last_wins(workloads, "workloads", unique_key, lambda w, i: (
             f"duplicate uid {w.uid!r}" + (" (uid not set: made from clusterId, namespace and name)"
                                           if id(w) in self._derived_uids else "")), "uid")
-        services = self._last_wins(services, "services", lambda s: s.key,
+        services = self._last_wins(services, "services", unique_key,
                                    lambda s, i: f"duplicate service {s.key!r}")
-        policies = self._last_wins(policies, "policies", lambda p: p.key,
+        policies = self._last_wins(policies, "policies", unique_key,
                                    lambda p, i: f"duplicate policy {p.key!r}")
         self._shared_addresses(workloads, services)
         self._references(workloads, services, policies)
@@ -739,7 +741,7 @@ class _CrossChecks:
                     self.warning(f"workloads[{i}].authorizationPolicies[{j}]",
                                  f"no policy {key!r} in policies; as in ztunnel, it selects nothing")
 
-    def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], str],
+    def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], Hashable],
                    describe: Callable[[Any, int], str], field: str | None = None) -> tuple:
         """``entries`` without those a later entry with the same key replaces (ztunnel's rule), warned about."""
         last = {key(entry): i for i, entry in enumerate(entries)}

@@ -349,6 +349,20 @@ class MeshDiff:
         return bool(self.removed or self.added or self.changed or self.services_changed or self.policies_changed)
 
 
+def unique_key(entry: Workload | Service | Policy) -> tuple[str, str]:
+    """What no two entries of a mesh may share: a workload's uid, a service's or a policy's key.
+
+    Nothing else is unique: as in ztunnel, workloads may share an address and
+    services of different namespaces a VIP (see :class:`Mesh`). The local
+    config's checks and the xDS client's both go by this.
+    """
+    if isinstance(entry, Workload):
+        return "workload uid", entry.uid
+    if isinstance(entry, Service):
+        return "service", entry.key
+    return "policy", entry.key
+
+
 @attrs.frozen
 class Mesh:
     """Everything the local configuration describes, with lookups.
@@ -368,11 +382,15 @@ class Mesh:
     _policies_by_key: dict[str, Policy] = attrs.field(init=False, eq=False, repr=False, hash=False)
 
     def __attrs_post_init__(self) -> None:
+        seen: set[tuple[str, str]] = set()
+        for entry in (*self.workloads, *self.services, *self.policies):
+            kind, key = unique_key(entry)
+            if (kind, key) in seen:
+                raise ValueError(f"duplicate {kind} {key!r}")
+            seen.add((kind, key))
         by_uid: dict[str, Workload] = {}
         by_ip: dict[IPAddress, Workload] = {}
         for w in self.workloads:
-            if w.uid in by_uid:
-                raise ValueError(f"duplicate workload uid {w.uid!r}")
             by_uid[w.uid] = w
             if w.network_mode == "HostNetwork":
                 continue  # ztunnel does not index them by address either
@@ -384,8 +402,6 @@ class Mesh:
         by_key: dict[str, Service] = {}
         by_hostname: dict[str, list[Service]] = {}
         for s in self.services:
-            if s.key in by_key:
-                raise ValueError(f"duplicate service {s.key!r}")
             by_key[s.key] = s
             by_hostname.setdefault(s.hostname, []).append(s)
             for _network, ip in s.vips:
@@ -399,8 +415,6 @@ class Mesh:
                     sharing.append(s)
         policies: dict[str, Policy] = {}
         for p in self.policies:
-            if p.key in policies:
-                raise ValueError(f"duplicate policy {p.key!r}")
             policies[p.key] = p
         object.__setattr__(self, "_by_uid", by_uid)
         object.__setattr__(self, "_by_ip", by_ip)

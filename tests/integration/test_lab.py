@@ -177,9 +177,7 @@ def test_measure_helpers():
 def test_netns_mode_immediate_leaves_a_pooled_connection_to_keepalive_and_last_mile_none(tmp_path):
     """Pods in namespaces, veth deleted at teardown: with immediate node B cannot tell node A, so A's pooled
     connection to B1 stays until keepalive gives up; last-mile closes it before the Ack."""
-    missing = missing_for_netns()
-    if missing:
-        pytest.skip("netns mode unavailable: " + "; ".join(missing))
+    _netns_or_fail()
     # keepalive 1 s + 1.5 s, so that 6 s of observation are plenty for it to give up
     done = lab("run", "--mode", "netns", "--strategies", "immediate,last-mile", "--duration", "4", "--observe", "6",
                "--keepalive-interval", "1", "--keepalive-timeout", "1.5", "--net", NET, "--out", str(tmp_path), "--quiet")
@@ -209,19 +207,52 @@ def _ztunnel_or_fail():
         pytest.skip(f"ztunnel is missing: {e}")
 
 
-@pytest.mark.root
-def test_netns_mode_with_ztunnel_as_node_a(tmp_path):
-    """Node A is the real ztunnel (in-pod mode, driven by ztunnel-agent), node B ztwisted: traffic crosses,
-    ztunnel's connections are seen on the wire and counted by node B, and ztunnel honours goaway-on-start's
-    GOAWAY by opening a new connection (its discovery still lists B1: it reads its config file once)."""
+def _netns_or_fail():
     missing = missing_for_netns()
     if missing:
         if os.geteuid() == 0 and os.environ.get("CI") == "true":
             pytest.fail("netns mode unavailable: " + "; ".join(missing), pytrace=False)
         pytest.skip("netns mode unavailable: " + "; ".join(missing))
+
+
+@pytest.mark.root
+def test_netns_mode_client_evict_retires_the_pooled_connection_on_the_xds_removal(tmp_path):
+    """Node A (ztwisted) learns B1's removal over xDS from the lab control plane, and client-evict retires its
+    pooled connection to B1: the client pods' TCP tables show it closing after the removal. Keepalive is too
+    long (30 s + 30 s) to be what closed it."""
+    _netns_or_fail()
+    done = lab("run", "--mode", "netns", "--strategies", "client-evict", "--duration", "4", "--observe", "4",
+               "--keepalive-interval", "30", "--keepalive-timeout", "30", "--net", NET, "--out", str(tmp_path),
+               "--quiet")
+    assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    (strategy,) = json.loads((tmp_path / "results.json").read_text())["strategies"]
+    events = {e["name"]: e for e in strategy["events"]}
+    for name, b1 in (("unready", "unready"), ("removed", "gone")):
+        assert "control plane" in events[name]["via"]
+        assert events[name]["node_a_config_dump_b1"] == b1 and events[name]["applied_in_s"] is not None, events[name]
+    m = strategy["measures"]
+    assert m["drain_events"]["a"].get("client-evict:destination_removed", 0) >= 1
+    assert strategy["pool_source"] == "wire"
+    pool = m["pool_to_b1"]
+    assert pool["open_at_gone"] >= 1, "node A had a pooled connection to B1 when its network went"
+    assert pool["still_open_at_end"] == 0 and pool["last_closed_after_s"] is not None, pool
+    # it closed after the removal reached node A (wire times and event times share the lab's clock)
+    assert events["teardown"]["t"] + pool["last_closed_after_s"] >= events["removed"]["t"]
+    assert "keepalive-timeout" not in m["hbone"]["closed_in_window"]["a"]
+
+
+@pytest.mark.root
+def test_netns_mode_with_ztunnel_as_node_a(tmp_path):
+    """Node A is the real ztunnel (in-pod mode, driven by ztunnel-agent), node B ztwisted, both fed by the lab
+    control plane: traffic crosses, ztunnel's connections are seen on the wire and counted by node B, B1's
+    removal reaches ztunnel over xDS (its /config_dump drops B1), and ztunnel honours goaway-on-start's GOAWAY
+    by opening a new connection."""
+    _netns_or_fail()
     _ztunnel_or_fail()
+    # B1 stays an endpoint until it is removed, so that ztunnel still sends to it after the GOAWAY
     done = lab("run", "--mode", "netns", "--client-proxy", "ztunnel", "--strategies", "immediate,goaway-on-start",
-               "--duration", "4", "--net", NET, "--out", str(tmp_path), "--quiet", timeout=180)
+               "--duration", "4", "--unready-after", "never", "--net", NET, "--out", str(tmp_path), "--quiet",
+               timeout=180)
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lab"]["client_proxy"] == "ztunnel"
@@ -234,9 +265,10 @@ def test_netns_mode_with_ztunnel_as_node_a(tmp_path):
         assert m["hbone"]["counted_at"].startswith("node B's metrics")
         assert strategy["pool_source"] == "wire"
         assert max(n for _, n in strategy["series"]["hbone_a_to_b2"]) >= 1, "the wire shows ztunnel's connections"
-        events = {e["name"]: e for e in strategy["events"]}
-        assert events["removed"]["applied_in_s"] is None and "not delivered" in events["removed"]["node_a"]
-        assert events["removed"]["node_a_config_dump_lists_b1"] is True, "ztunnel's /config_dump still has B1"
+        removed = {e["name"]: e for e in strategy["events"]}["removed"]
+        assert "control plane" in removed["via"]
+        assert removed["node_a_config_dump_b1"] == "gone", f"ztunnel's /config_dump still lists B1: {removed}"
+        assert removed["applied_in_s"] is not None
     # Nothing told ztunnel about B1 before its network went: its pooled connection was still there.
     assert immediate["measures"]["pool_to_b1"]["open_at_gone"] >= 1
     # After the GOAWAY, ztunnel kept sending to B1 on a new HBONE connection, which node B accepted.

@@ -17,8 +17,9 @@ from tests.integration.conftest import (
     SINK_IP,
     TWO_NODE_MESH,
 )
-from tests.integration.xds_support import ControlPlane, deny_policy
+from tests.integration.xds_support import deny_policy
 from tests.support import EchoServer, mesh_workload, pod_uid, wait_until
+from ztwisted.tools.control_plane import ControlPlaneProcess
 from ztwisted.tools.harness import NodeProcess, Socks5Refused, socks5_connect
 
 CONTROL_PLANE_IP = f"127.{NET}.0.50"
@@ -30,7 +31,7 @@ MESH = (TWO_NODE_MESH.replace(SINK_ENTRY, SINK_ENTRY + '  authorizationPolicies:
         + "policies:\n" + deny_policy("sink-deny-client", "client"))
 
 
-def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlPlane, *extra: str) -> NodeProcess:
+def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlPlaneProcess, *extra: str) -> NodeProcess:
     return NodeProcess(
         tmp_path / name, name=name, control_ip=control_ip, node=name,
         extra_args=("--xds-address", XDS_ADDRESS, "--xds-root-ca", str(control_plane.root_cert),
@@ -38,8 +39,8 @@ def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlP
     )
 
 
-def lab_control_plane(tmp_path: Path, mesh: Path, *extra: str) -> ControlPlane:
-    return ControlPlane(tmp_path, mesh, listen=f"{CONTROL_PLANE_IP}:15012", api=f"{CONTROL_PLANE_IP}:15014", extra=extra)
+def lab_control_plane(tmp_path: Path, mesh: Path, *extra: str) -> ControlPlaneProcess:
+    return ControlPlaneProcess(tmp_path, mesh, listen=f"{CONTROL_PLANE_IP}:15012", api=f"{CONTROL_PLANE_IP}:15014", extra=extra)
 
 
 def stop_all(*nodes: NodeProcess) -> None:

@@ -14,8 +14,8 @@ from tests.integration.test_inpod_e2e import (  # noqa: F401 (fixtures)
     network,
     serve_pod,
 )
-from tests.integration.xds_support import ControlPlane
 from tests.support import mesh_workloads, wait_until
+from ztwisted.tools.control_plane import ControlPlaneProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.root]
 
@@ -33,7 +33,7 @@ def control_plane(tmp_path, network):  # noqa: F811
     path = tmp_path / "mesh.yaml"
     pod_a, pod_b = network.pods["a"], network.pods["b"]
     path.write_text(mesh_workloads(pod_a.mesh_entry("node-1"), pod_b.mesh_entry("node-2")))
-    plane = ControlPlane(tmp_path, path, listen=f"{CONTROL_PLANE_IP}:15012", api=f"{CONTROL_PLANE_IP}:15014").start()
+    plane = ControlPlaneProcess(tmp_path, path, listen=f"{CONTROL_PLANE_IP}:15012", api=f"{CONTROL_PLANE_IP}:15014").start()
     yield plane
     plane.stop()
 

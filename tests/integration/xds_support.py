@@ -1,4 +1,7 @@
-"""Support for the xDS tests: the lab control plane process, HTTP and SOCKS5 probes that may run in a namespace.
+"""Support for the xDS tests: HTTP and SOCKS5 probes that may run in a namespace.
+
+The control plane process is :class:`ztwisted.tools.control_plane.ControlPlaneProcess`
+(the drain lab starts it too).
 
 The probes run as this module's command line inside a namespace
 (``ip netns exec NS python -m tests.integration.xds_support http|socks ...``)
@@ -9,7 +12,6 @@ and print one JSON line; that part uses the standard library and
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -50,59 +52,6 @@ def http_json(netns: str | None, url: str, method: str = "GET", body: dict | Non
 def socks_echo(netns: str, proxy: str, source: str, host: str, port: int, payload: str = "ping") -> dict:
     """Through the SOCKS5 proxy at ``proxy`` (host:port) from ``source``: {"ok": echoed, "error": ...}."""
     return _probe(netns, "socks", proxy, source, host, str(port), payload)
-
-
-class ControlPlane:
-    """One ``ztunnel-control-plane`` process (in ``netns`` if given)."""
-
-    def __init__(self, workdir: Path, mesh: Path, *, listen: str, api: str, netns: str | None = None, extra=()):
-        self.workdir = workdir
-        self.mesh = mesh
-        self.listen = listen
-        self.api_address = api
-        self.netns = netns
-        self.extra = tuple(extra)
-        self.state_dir = workdir / "control-plane"
-        self.root_cert = self.state_dir / "root-cert.pem"
-        self.log_path = workdir / "control-plane.log"
-        self.process = None
-
-    @property
-    def address(self) -> str:
-        return f"https://{self.listen}"
-
-    def start(self) -> ControlPlane:
-        from tests.support import wait_until
-
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        argv = [sys.executable, "-m", "ztwisted.tools.control_plane", "--mesh", str(self.mesh), "--listen", self.listen,
-                "--api", self.api_address, "--state-dir", str(self.state_dir), *self.extra]
-        self.process = subprocess.Popen(in_netns(self.netns, argv), stdout=self._log, stderr=subprocess.STDOUT)
-        wait_until(self._answers, timeout=30, what="the control plane's API")
-        return self
-
-    def _answers(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"control plane exited:\n{self.log_path.read_text()}")
-        try:
-            return self.api("GET", "/state")[0] == 200
-        except (OSError, RuntimeError):
-            return False
-
-    def api(self, method: str, path: str, body: dict | None = None) -> tuple[int, object]:
-        return http_json(self.netns, f"http://{self.api_address}{path}", method, body)
-
-    def state(self) -> dict:
-        status, body = self.api("GET", "/state")
-        assert status == 200, body
-        return body
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-        self.process = None
 
 
 # -- the probes' own code ---------------------------------------------------------------------

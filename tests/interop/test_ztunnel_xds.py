@@ -27,8 +27,9 @@ from tests.integration.inpod_support import (
     remove_leftover_namespaces,
     start_echo,
 )
-from tests.integration.xds_support import ControlPlane, deny_policy, http_json, in_netns, socks_echo
+from tests.integration.xds_support import deny_policy, http_json, in_netns, socks_echo
 from tests.support import wait_until
+from ztwisted.tools.control_plane import ControlPlaneProcess
 from ztwisted.tools.harness import NodeProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +105,7 @@ def lab(tmp_path):
     mesh.write_text(MESH)
     started = []
     try:
-        plane = ControlPlane(tmp_path, mesh, listen=f"{CP_IP}:15012", api=f"{CP_IP}:15014",
+        plane = ControlPlaneProcess(tmp_path, mesh, listen=f"{CP_IP}:15012", api=f"{CP_IP}:15014",
                              netns=network.pods["cp"].netns, extra=("--token", TOKEN)).start()
         started.append(plane)
         apps = [start_echo(network.pods["zt"]), start_echo(tw), App(tw, "echo", SINK_IP, "8080")]

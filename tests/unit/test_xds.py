@@ -11,8 +11,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from ztwisted.ca import create_files
-from ztwisted.config import builtin_example_path, load_config
+from ztwisted.config import builtin_example_path, load_config, parse_config
 from ztwisted.identity import SpiffeId
+from ztwisted.model import Mesh
 from ztwisted.xds import ca_pb2, discovery_pb2, workload_pb2
 from ztwisted.xds.certificates import certificate_from_response, make_csr
 from ztwisted.xds.client import NodeInfo, XdsState
@@ -65,20 +66,45 @@ def test_unsupported_features_and_conflicts_are_named():
     waypoint.workload.waypoint.hbone_mtls_port = 15008
     _, rejected = state.apply(response(ADDRESS_TYPE, {"c//v1/Pod/ns/a": waypoint}))
     assert rejected == ["workload 'c//v1/Pod/ns/a': waypoint is not supported by ztwisted"]
-    twins = {
-        f"c//v1/Pod/ns/{n}": workload_pb2.Address(workload=workload_pb2.Workload(
-            uid=f"c//v1/Pod/ns/{n}", name=n, namespace="ns", addresses=[bytes([10, 0, 0, 1])]))
-        for n in ("a", "b")
+    # A uid is the one thing two workloads may not share (the model's rule): the later resource is rejected.
+    same_uid = {
+        f"name-{n}": workload_pb2.Address(workload=workload_pb2.Workload(
+            uid="c//v1/Pod/ns/a", name="a", namespace="ns", addresses=[bytes([10, 0, 0, n])]))
+        for n in (1, 2)
     }
-    mesh, rejected = state.apply(response(ADDRESS_TYPE, twins))
-    assert rejected == ["c//v1/Pod/ns/b: address 10.0.0.1 is already c//v1/Pod/ns/a's"]
-    assert [w.name for w in mesh.workloads] == ["a"]
-    # once a lets the address go, b may have it
-    moved = workload_pb2.Address()
-    moved.CopyFrom(twins["c//v1/Pod/ns/a"])
-    moved.workload.addresses[:] = [bytes([10, 0, 0, 2])]
-    mesh, rejected = state.apply(response(ADDRESS_TYPE, {"c//v1/Pod/ns/a": moved, "c//v1/Pod/ns/b": twins["c//v1/Pod/ns/b"]}))
-    assert rejected == [] and {str(w.workload_ips[0]) for w in mesh.workloads} == {"10.0.0.1", "10.0.0.2"}
+    mesh, rejected = state.apply(response(ADDRESS_TYPE, same_uid))
+    assert rejected == ["name-2: workload uid 'c//v1/Pod/ns/a' is already name-1's"]
+    assert [str(w.workload_ips[0]) for w in mesh.workloads] == ["10.0.0.1"]
+
+
+def test_xds_accepts_the_shared_addresses_the_local_config_accepts():
+    """Workloads sharing an address and services of different namespaces sharing a VIP, as ztunnel allows:
+    the same mesh is accepted from a file and over xDS, and chooses the same way."""
+    text = """
+workloads:
+- {uid: "c//v1/Pod/ns/a", name: a, namespace: ns, workloadIps: ["10.0.0.1"]}
+- {uid: "c//v1/Pod/ns/b", name: b, namespace: ns, workloadIps: ["10.0.0.1"], protocol: HBONE}
+services:
+- {name: web, namespace: one, hostname: web.one.svc.cluster.local, vips: ["/10.96.0.1"], ports: {80: 8080}}
+- {name: web, namespace: two, hostname: web.two.svc.cluster.local, vips: ["/10.96.0.1"], ports: {80: 8080}}
+"""
+    local = parse_config(text, "mesh.yaml")
+    state = XdsState()
+    over_xds, rejected = state.apply(response(ADDRESS_TYPE, mesh_resources(local)[ADDRESS_TYPE]))
+    assert rejected == []
+    assert {w.uid for w in over_xds.workloads} == {"c//v1/Pod/ns/a", "c//v1/Pod/ns/b"}
+    assert {s.key for s in over_xds.services} == {"one/web.one.svc.cluster.local", "two/web.two.svc.cluster.local"}
+    assert over_xds.workload_by_ip("10.0.0.1").uid == local.workload_by_ip("10.0.0.1").uid == "c//v1/Pod/ns/b"
+    for namespace in ("one", "two"):
+        assert over_xds.service_by_vip("10.96.0.1", namespace).key == local.service_by_vip("10.96.0.1", namespace).key
+        assert local.service_by_vip("10.96.0.1", namespace).namespace == namespace
+    # One rule in one place: a duplicate service key is what both refuse.
+    twin = workload_pb2.Address()
+    twin.CopyFrom(mesh_resources(local)[ADDRESS_TYPE]["one/web.one.svc.cluster.local"])
+    _, rejected = state.apply(response(ADDRESS_TYPE, {"another-name": twin}, nonce="2"))
+    assert rejected == ["another-name: service 'one/web.one.svc.cluster.local' is already one/web.one.svc.cluster.local's"]
+    with pytest.raises(ValueError, match="duplicate service 'one/web.one.svc.cluster.local'"):
+        Mesh(services=[local.services[0], local.services[0]])
 
 
 def test_removals_and_unknown_types():

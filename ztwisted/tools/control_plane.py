@@ -330,6 +330,83 @@ class ApiHandler(BaseHTTPRequestHandler):
             self._answer(404, {"error": f"no {self.path}"})
 
 
+class ControlPlaneProcess:
+    """One ``ztunnel-control-plane`` process (in the named network namespace ``netns`` if given), and its API.
+
+    The drain lab and the tests start it this way; ``root_cert`` is what the
+    proxies take as their XDS and CA root.
+    """
+
+    def __init__(self, workdir: Path, mesh: Path, *, listen: str, api: str, netns: str | None = None, extra=()):
+        self.workdir = Path(workdir)
+        self.mesh = Path(mesh)
+        self.listen = listen
+        self.api_address = api
+        self.netns = netns
+        self.extra = tuple(extra)
+        self.state_dir = self.workdir / "control-plane"
+        self.root_cert = self.state_dir / ROOT_CERT
+        self.log_path = self.workdir / "control-plane.log"
+        self.process = None
+        self._log = None
+
+    @property
+    def address(self) -> str:
+        """What ``XDS_ADDRESS`` / ``--xds-address`` (and the CA's) take."""
+        return f"https://{self.listen}"
+
+    def start(self, timeout: float = 30.0) -> ControlPlaneProcess:
+        import subprocess
+        import time
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        argv = [sys.executable, "-m", "ztwisted.tools.control_plane", "--mesh", str(self.mesh), "--listen", self.listen,
+                "--api", self.api_address, "--state-dir", str(self.state_dir), *self.extra]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the control plane exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if self.api("GET", "/state")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"the control plane's API did not answer within {timeout} s (log: {self.log_path})")
+
+    def api(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, object]:
+        """(status, JSON body, or text if it is not JSON) of one call to the HTTP API."""
+        from ztwisted.tools.harness import http_request
+
+        status, data = http_request(f"http://{self.api_address}{path}", method, netns=self.netns, timeout=timeout,
+                                    body=json.dumps(body).encode() if body is not None else None)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, data.decode(errors="replace")
+
+    def state(self) -> dict:
+        status, body = self.api("GET", "/state")
+        if status != 200:
+            raise RuntimeError(f"the control plane's /state answered {status}: {body}")
+        return body
+
+    def stop(self) -> None:
+        """SIGKILL: it keeps nothing worth a clean exit (tests use this to cut streams mid-traffic)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
 def _host_port(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     return host.strip("[]"), int(port)

@@ -176,11 +176,12 @@ def metric_sum(exposition: str, name: str, **labels) -> float:
     return total
 
 
-def http_request(url: str, method: str = "GET", *, netns: str | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+def http_request(url: str, method: str = "GET", *, netns: str | None = None, timeout: float = 5.0,
+                 body: bytes | None = None) -> tuple[int, bytes]:
     """(status, body) of one HTTP request; with ``netns``, sent from inside that named network namespace."""
 
     def send() -> tuple[int, bytes]:
-        request = urllib.request.Request(url, method=method)
+        request = urllib.request.Request(url, data=body, method=method)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, response.read()

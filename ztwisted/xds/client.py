@@ -24,7 +24,7 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from ztwisted.model import Mesh, Policy, Service, Workload
+from ztwisted.model import Mesh, Policy, Service, Workload, unique_key
 from ztwisted.xds import authorization_pb2, discovery_pb2, grpc, workload_pb2
 from ztwisted.xds.resources import (
     ADDRESS_TYPE,
@@ -106,7 +106,7 @@ class XdsState:
                 except protobuf_message.DecodeError as e:
                     raise InvalidResource(f"{resource.name}: not a valid {message_class.DESCRIPTOR.full_name}: {e}") from None
                 converted = convert(decoded, resource.name)
-                # An address (or key) another accepted resource holds: this one is rejected, the other stays.
+                # A uid or key another accepted resource holds: this one is rejected, the other stays.
                 claims.take(resource.name, converted, candidate[type_url].get(resource.name))
                 candidate[type_url][resource.name] = converted
                 versions[resource.name] = resource.version
@@ -123,35 +123,27 @@ class XdsState:
 
 
 class _Claims:
-    """Who holds each address, uid and key the model wants unique, by resource name."""
+    """Who holds each uid and key the model wants unique (:func:`ztwisted.model.unique_key`), by resource name.
+
+    Addresses are not claimed: as in ztunnel and the local config, workloads
+    may share one and services of different namespaces a VIP.
+    """
 
     def __init__(self, resources) -> None:
-        self._holder: dict[tuple, str] = {}
-        for by_name in resources.values():
-            for name, resource in by_name.items():
-                for claim in _claims_of(resource):
-                    self._holder[claim] = name
+        self._holder: dict[tuple[str, str], str] = {
+            unique_key(resource): name for by_name in resources.values() for name, resource in by_name.items()
+        }
 
     def take(self, name: str, new, old) -> None:
-        """Move ``name``'s claims from ``old`` to ``new``; InvalidResource if another resource holds one."""
-        for claim in _claims_of(new):
-            holder = self._holder.get(claim, name)
-            if holder != name:
-                kind, value = claim
-                raise InvalidResource(f"{name}: {kind} {value} is already {holder}'s")
-        for claim in _claims_of(old) if old is not None else ():
-            if self._holder.get(claim) == name:
-                del self._holder[claim]
-        for claim in _claims_of(new):
-            self._holder[claim] = name
-
-
-def _claims_of(resource) -> list[tuple]:
-    if isinstance(resource, Workload):
-        return [("address", ip) for ip in resource.workload_ips] + [("uid", resource.uid)]
-    if isinstance(resource, Service):
-        return [("address", ip) for _, ip in resource.vips] + [("service", resource.key)]
-    return [("policy", resource.key)]
+        """Move ``name``'s claim from ``old`` to ``new``; InvalidResource if another resource holds it."""
+        claim = unique_key(new)
+        holder = self._holder.get(claim, name)
+        if holder != name:
+            kind, value = claim
+            raise InvalidResource(f"{name}: {kind} {value!r} is already {holder}'s")
+        if old is not None and self._holder.get(unique_key(old)) == name:
+            del self._holder[unique_key(old)]
+        self._holder[claim] = name
 
 
 def _mesh_of(resources) -> Mesh:

@@ -70,7 +70,8 @@ class RunOptions(usage.Options):
     )
     optParameters = [
         ["strategies", None, ",".join(DEFAULT_STRATEGIES), "Comma-separated; combine ztwisted strategies with '+'."],
-        ["mode", None, "loopback", "loopback: pods on 127.x addresses; netns: pods in network namespaces (root)."],
+        ["mode", None, "loopback", "loopback: pods on 127.x addresses, discovery from local config files; netns: pods "
+         "in network namespaces, discovery and certificates from a lab ztunnel-control-plane (root)."],
         ["client-proxy", None, "ztwisted", "Node A, the client pods' node: ztwisted or Istio's real ztunnel (needs "
          "--mode netns and the cached build of tests/peers/ztunnel_build.py); node B is always ztwisted."],
         ["seed", None, 1, "Seeds the apps' request schedules and payloads.", int],

@@ -4,6 +4,10 @@ The client apps reach node A through its SOCKS5 port, leaving from their
 pod's address; lifecycle events go through node B's admin API
 (``POST /workloads/b1/terminating``, ``DELETE /workloads/b1``); the network
 teardown is a blackhole route (see :mod:`ztwisted.tools.lab.teardown`).
+
+Discovery is file-based here: each node reads its own local config file
+(which it reloads on change), so "unready" is news for node A alone and
+"removed" reaches both. Netns mode uses the lab control plane over xDS.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from ztwisted.tools.lab.teardown import Blackhole, TeardownUnavailable, blackhol
 class LoopbackPlatform(Platform):
     mode = "loopback"
 
+    discovery_via = "local config files (node A's for unready, both for removed)"
+
     def __init__(self, config, workdir: Path, state_dir: Path):
         super().__init__(config, workdir, state_dir)
         self.addresses = Addresses(config.net)
         self.blackhole = Blackhole(self.addresses.b1)
+        self.a_mesh = workdir / "node-a-discovery" / "mesh.yaml"
+        self.b_mesh = workdir / "node-b-discovery" / "mesh.yaml"
 
     def start(self, node_args: tuple[str, ...]) -> None:
         addresses = self.addresses
@@ -38,6 +46,11 @@ class LoopbackPlatform(Platform):
         self.node_a = self.node("node-a", addresses.node_a, self.a_mesh, node_args)
         self.start_node(self.node_b)
         self.start_node(self.node_a)
+
+    def change_discovery(self, b1: str) -> None:
+        # Node B keeps B1 until it is gone: being unready is news for the clients' node only.
+        for path in (self.a_mesh,) if b1 == "unready" else (self.a_mesh, self.b_mesh):
+            write_mesh(path, self.addresses, b1=b1)
 
     def client(self, pod: str) -> dict:
         """Keyword arguments for a client app of ``pod`` (``client-pool`` or ``client-req``)."""

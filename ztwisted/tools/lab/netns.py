@@ -10,7 +10,8 @@ driven by its own ``ztunnel-agent``, which hands them the pods' namespaces
 rule, an iptables ``REDIRECT`` of their connections to the service VIP to
 their proxy's port 15001 (its own marked traffic excepted), and the apps run
 in threads that entered the pods' namespaces. The teardown deletes B1's
-veth: its address really vanishes.
+veth: its address really vanishes. Discovery and certificates come from one
+``ztunnel-control-plane`` (see :class:`NetnsPlatform`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,6 +59,7 @@ class NetnsAddresses:
     node_b = property(lambda self: f"127.{self.net}.3.254")
     agent_a = property(lambda self: f"127.{self.net}.2.253")
     agent_b = property(lambda self: f"127.{self.net}.3.253")
+    control_plane = property(lambda self: f"127.{self.net}.1.1")
 
     @property
     def network(self) -> str:
@@ -72,6 +75,8 @@ def missing_for_netns() -> list[str]:
     missing = missing_for_network_setup("ip", "iptables")
     if importlib.util.find_spec("ztwisted.tools.agent") is None:
         missing.append("ztwisted.tools.agent (the ZDS node agent)")
+    if importlib.util.find_spec("grpc") is None:
+        missing.append("grpcio, for the lab control plane that feeds both nodes (pip install 'ztwisted[control-plane]')")
     return missing
 
 
@@ -160,6 +165,66 @@ def create_lab_namespaces(namespaces: Namespaces, addresses: NetnsAddresses) -> 
              "-d", f"{addresses.vip}/32", "-m", "mark", "!", "--mark", str(PACKET_MARK), "-j", "REDIRECT", "--to-ports", "15001")
 
 
+class Relay:
+    """Carries TCP connections made to ``address`` inside a namespace to the same address in the lab's own.
+
+    ztunnel as node A runs in a namespace of its own, the lab control plane on
+    the host's loopback: the relay listens at the control plane's address in
+    ztunnel's namespace (its loopback has all of 127/8) and connects from the
+    host. TLS passes through untouched, end to end.
+    """
+
+    def __init__(self, netns_path: str, address: tuple[str, int]):
+        self.netns_path = netns_path
+        self.address = address
+        self.listener: socket.socket | None = None
+        self.sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> Relay:
+        # A socket stays in the namespace it was made in; the accepting thread (made here) is in the host's.
+        self.listener = call_in_netns(self.netns_path, lambda: socket.create_server(self.address))
+        threading.Thread(target=self._accept, name="lab-relay", daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                inside, _ = self.listener.accept()
+            except OSError:
+                return  # stopped
+            try:
+                outside = socket.create_connection(self.address, timeout=5)
+            except OSError:
+                inside.close()
+                continue
+            outside.settimeout(None)
+            with self._lock:
+                self.sockets += [inside, outside]
+            for source, target in ((inside, outside), (outside, inside)):
+                threading.Thread(target=self._pump, args=(source, target), name="lab-relay-pump", daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        try:
+            target.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        with self._lock:
+            for sock in self.sockets:
+                sock.close()
+            self.sockets.clear()
+
+
 def leftover_namespaces(net: int) -> list[str]:
     """Namespaces of lab runs (``ztw<net>-<pid>-...``) whose process is gone."""
     try:
@@ -243,7 +308,17 @@ def _uid(pod: str) -> str:
 
 
 class NetnsPlatform(Platform):
+    """Pods in namespaces; discovery and certificates for both nodes from one ``ztunnel-control-plane``.
+
+    The lab's "unready" and "removed" are calls to the control plane's API
+    (``POST /workloads/b1/unhealthy``, ``DELETE /workloads/b1``); it pushes
+    them over xDS to every node at once, as istiod does. Node B's inbound
+    does not look at B1's health, so B1 being unhealthy changes nothing there
+    until it is gone.
+    """
+
     mode = "netns"
+    discovery_via = "the lab control plane's API, pushed over xDS to both nodes"
 
     def __init__(self, config, workdir: Path, state_dir: Path):
         super().__init__(config, workdir, state_dir)
@@ -251,10 +326,21 @@ class NetnsPlatform(Platform):
         self.namespaces = Namespaces(self.addresses.net)
 
     def start(self, node_args: tuple[str, ...]) -> None:
+        from ztwisted.tools.control_plane import ControlPlaneProcess
+
         check_netns_mode()
         addresses = self.addresses
-        write_mesh(self.a_mesh, addresses)
-        write_mesh(self.b_mesh, addresses)
+        mesh = self.workdir / "discovery" / "mesh.yaml"
+        write_mesh(mesh, addresses)
+        self.control_plane = ControlPlaneProcess(self.workdir / "discovery", mesh, listen=f"{addresses.control_plane}:15012",
+                                                 api=f"{addresses.control_plane}:15014")
+        try:
+            self.control_plane.start()
+        except RuntimeError as e:
+            raise LabError(f"cannot start the lab control plane: {e}") from None
+        self.cleanup.callback(self.control_plane.stop)
+        root = str(self.control_plane.root_cert)
+        xds_args = ("--xds-address", self.control_plane.address, "--xds-root-ca", root, "--ca-root-ca", root)
         self.cleanup.callback(self.namespaces.destroy)
         create_lab_namespaces(self.namespaces, addresses)
         self.b1_app = call_in_netns(self.namespaces.path("b1"), ServerApp("b1", addresses.b1, APP_PORT).start)
@@ -267,23 +353,19 @@ class NetnsPlatform(Platform):
             agent.start()
             self.cleanup.callback(agent.stop)
             self.agents[node] = agent
+        self.node_b = self.node("node-b", addresses.node_b, None,
+                                node_args + xds_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)))
+        self.start_node(self.node_b)
         if self.config.client_proxy == "ztunnel":
             from ztwisted.tools.lab.ztunnel_client import ZtunnelNodeA
 
-            # Writes node B's plug-in CA (ztunnel's test root) first, so it comes before node B starts.
-            ztunnel = ZtunnelNodeA(self.namespaces, self.workdir / "node-a", self.state_dir, self.a_mesh,
-                                   self.agents["node-a"].socket_path)
-        self.node_b = self.node("node-b", addresses.node_b, self.b_mesh,
-                                node_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)))
-        self.start_node(self.node_b)
-        if self.config.client_proxy == "ztunnel":
-            self.node_a = ztunnel
-            self.node_a_reloads_config = False
-            self.cleanup.callback(ztunnel.stop)
-            ztunnel.start()
+            self.node_a = ZtunnelNodeA(self.namespaces, self.workdir / "node-a", self.control_plane,
+                                       self.agents["node-a"].socket_path)
+            self.cleanup.callback(self.node_a.stop)
+            self.node_a.start()
         else:
-            self.node_a = self.node("node-a", addresses.node_a, self.a_mesh,
-                                    node_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
+            self.node_a = self.node("node-a", addresses.node_a, None,
+                                    node_args + xds_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
             self.start_node(self.node_a)
         for pod, (service_account, node) in PODS.items():
             answer, _ = self.agents[node].call("add", uid=_uid(pod), name=pod, namespace="default",
@@ -291,6 +373,15 @@ class NetnsPlatform(Platform):
             failed = [ack for ack in answer.get("acks", []) if not ack.get("ok")]
             if failed or not answer.get("acks"):
                 raise LabError(f"{node} did not start pod {pod}: {failed or answer}")
+
+    def change_discovery(self, b1: str) -> None:
+        method, path = ("POST", "/workloads/b1/unhealthy") if b1 == "unready" else ("DELETE", "/workloads/b1")
+        try:
+            status, body = self.control_plane.api(method, path)
+        except OSError as e:
+            raise LabError(f"the lab control plane's API ({method} {path}): {e}") from None
+        if status != 200:
+            raise LabError(f"the lab control plane's API answered {method} {path} with {status}: {body}")
 
     def watch_wire(self, clock):
         from ztwisted.tools.lab.wire import WireWatch

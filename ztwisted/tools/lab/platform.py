@@ -21,21 +21,21 @@ class Platform:
     """What a mode provides to the scenario: proxies, pods, apps' connections and the lifecycle events."""
 
     addresses: Addresses
-    a_mesh: Path
-    b_mesh: Path
     node_a: NodeProcess
     node_b: NodeProcess
     b1_app: ServerApp
-    #: False when node A cannot follow discovery changes (ztunnel reading a local config file)
-    node_a_reloads_config = True
+    #: how discovery changes reach the nodes, for the results (the events "unready" and "removed")
+    discovery_via: str
 
     def __init__(self, config, workdir: Path, state_dir: Path):
         self.config = config
         self.workdir = workdir
         self.state_dir = state_dir
-        self.a_mesh = workdir / "node-a-discovery" / "mesh.yaml"
-        self.b_mesh = workdir / "node-b-discovery" / "mesh.yaml"
         self.cleanup = contextlib.ExitStack()
+
+    def change_discovery(self, b1: str) -> None:
+        """Tell discovery that B1 is ``unready`` (an endpoint no more) or ``gone``."""
+        raise NotImplementedError
 
     def close(self) -> None:
         self.cleanup.close()

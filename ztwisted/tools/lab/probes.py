@@ -96,6 +96,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def b1_in_config_dump(node, ip: str) -> str | None:
+    """What ``node``'s /config_dump says of the workload at ``ip``: ``ready``, ``unready`` (Unhealthy), ``gone``.
+
+    ztwisted's and ztunnel's dumps both list ``workloads`` with ``workloadIps``
+    and ``status``. None if the dump cannot be read.
+    """
+    try:
+        status, body = node.http("admin", "/config_dump")
+        workloads = json.loads(body).get("workloads", []) if status == 200 else None
+    except (OSError, ValueError):
+        return None
+    if workloads is None:
+        return None
+    found = [w for w in workloads if ip in w.get("workloadIps", [])]
+    if not found:
+        return "gone"
+    return "unready" if any(w.get("status") == "Unhealthy" for w in found) else "ready"
+
+
 def fetch(url: str, timeout: float = 3.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read()

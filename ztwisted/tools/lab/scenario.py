@@ -6,7 +6,7 @@ endpoints of ``echo.default.svc.cluster.local``. The timeline, in seconds
 from the start of traffic (see :class:`Timeline`)::
 
     warm-up -> terminating (B1 keeps serving; node B gets "pod terminating")
-            -> unready     (node A's discovery: B1 is no longer an endpoint)
+            -> unready     (discovery: B1 is no longer an endpoint)
             -> app exit    (B1's app stops accepting, finishes, closes)
             -> delete + teardown  (last-mile: Del, Ack, then the network goes;
                                    the others: the network goes, then Del)
@@ -16,19 +16,16 @@ from the start of traffic (see :class:`Timeline`)::
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import attr
 
-from ztwisted.tools.harness import NodeProcess
 from ztwisted.tools.lab.clients import Clock, PerRequestApp, PoolingApp, Recorder, Traffic
 from ztwisted.tools.lab.loopback import LoopbackPlatform
-from ztwisted.tools.lab.mesh import write_mesh
 from ztwisted.tools.lab.platform import LabError
-from ztwisted.tools.lab.probes import Sampler, parse_metrics, total
+from ztwisted.tools.lab.probes import Sampler, b1_in_config_dump
 
 __all__ = ["DEFAULT_STRATEGIES", "LabConfig", "LabError", "Strategy", "StrategyRun", "Timeline"]
 
@@ -203,7 +200,7 @@ class StrategyRun:
         self.event("terminating", **platform.pod_terminating())
         if timeline.unready_after is not None:
             self.wait_until(planned + timeline.unready_after, "terminating (B1 still an endpoint)")
-            self._discovery(platform, [(platform.a_mesh, "unready")], "unready")
+            self._discovery(platform, "unready", "unready")
         planned += timeline.grace
         self.wait_until(planned, "terminating (grace period)")
         self.event("app-exit")
@@ -219,7 +216,7 @@ class StrategyRun:
             ack = self._delete(platform)
         planned = max(planned + timeline.removal_after, self.clock())
         self.wait_until(planned, "pod deleted")
-        self._discovery(platform, [(platform.a_mesh, "gone"), (platform.b_mesh, "gone")], "removed")
+        self._discovery(platform, "gone", "removed")
         planned += timeline.observe
         for app in apps:
             app.deadline = planned  # the same schedule, whenever this thread gets to stop them
@@ -259,33 +256,22 @@ class StrategyRun:
             "logs": {"node-a": str(platform.node_a.log_path), "node-b": str(platform.node_b.log_path)},
         }
 
-    def _discovery(self, platform, changes: list[tuple[Path, str]], name: str) -> None:
-        """Edit the nodes' config files; the event's time is the edit, ``applied_in_s`` when node A reloaded."""
-        if not platform.node_a_reloads_config:
-            for path, b1 in changes:
-                write_mesh(path, platform.addresses, b1=b1)
-            # ztunnel reads its LOCAL_XDS_PATH once, at start; without an XDS server node A never learns this.
-            # Its /config_dump shows what it still believes.
-            try:
-                workloads = json.loads(platform.node_a.http("admin", "/config_dump")[1]).get("workloads", [])
-                lists_b1 = platform.addresses.b1 in json.dumps(workloads)
-            except (OSError, ValueError):
-                lists_b1 = None
-            self.event(name, applied_in_s=None, node_a="not delivered: ztunnel reads its local config file once",
-                       node_a_config_dump_lists_b1=lists_b1)
-            return
-        reloads = _reloads(platform.node_a)
-        for path, b1 in changes:
-            write_mesh(path, platform.addresses, b1=b1)
-        t = self.event(name)
+    def _discovery(self, platform, b1: str, name: str) -> None:
+        """Change discovery; the event's time is the change, ``applied_in_s`` when node A's /config_dump shows it."""
+        platform.change_discovery(b1)
+        t = self.event(name, via=platform.discovery_via)
         deadline = time.monotonic() + 5.0
+        seen = None
         while time.monotonic() < deadline:
-            if _reloads(platform.node_a) > reloads:
+            seen = b1_in_config_dump(platform.node_a, platform.addresses.b1)
+            if seen == b1:
                 self.events[-1]["applied_in_s"] = round(self.clock() - t, 4)
                 break
             time.sleep(0.02)
         else:
             self.events[-1]["applied_in_s"] = None
+        # what node A's /config_dump said of B1 last: ready, unready, gone (None: unreadable)
+        self.events[-1]["node_a_config_dump_b1"] = seen
 
     def _delete(self, platform) -> dict:
         self.event("delete")
@@ -298,10 +284,3 @@ class StrategyRun:
         if approximation:
             self.approximations.append(approximation)
         self.event("teardown", done=done)
-
-
-def _reloads(node: NodeProcess) -> float:
-    try:
-        return total(parse_metrics(node.http("metrics", "/metrics")[1].decode()), "ztwisted_config_reloads_total")
-    except OSError:
-        return 0.0

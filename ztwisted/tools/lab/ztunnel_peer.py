@@ -29,7 +29,8 @@ proxy mode for one workload (connecting to its app from its own address,
 not the client's: ``ENABLE_ORIG_SRC=false``), and SOCKS5 on
 ``127.0.0.1:15080`` in its namespace. ``env`` adds or overrides variables (for example
 ``PROXY_MODE=shared`` and ``INPOD_UDS`` for in-pod mode with
-``workload=None``).
+``workload=None``); a variable given as ``None`` is unset (``FAKE_CA`` and
+``LOCAL_XDS_PATH`` when ``XDS_ADDRESS``/``CA_ADDRESS`` name a control plane).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class ZtunnelPeer:
         workdir: Path,
         workload: str | tuple[str, str, str] | None,
         install: ZtunnelInstall | None = None,
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
     ):
         self.name = name
         self.netns = netns
@@ -209,7 +210,11 @@ class ZtunnelPeer:
             # As root, ztunnel would otherwise connect to the app from the client's address
             # (IP_TRANSPARENT), and the app's answers would leave the namespace by its default route.
             env.update(PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=self.workload, ENABLE_ORIG_SRC="false")
-        env.update(self.extra_env)
+        for name, value in self.extra_env.items():
+            if value is None:
+                env.pop(name, None)  # unset: e.g. FAKE_CA and LOCAL_XDS_PATH when a control plane serves
+            else:
+                env[name] = value
         return env
 
     def command(self) -> list[str]:

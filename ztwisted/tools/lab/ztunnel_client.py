@@ -10,7 +10,7 @@ the lab's ``ztunnel-control-plane``, as node B's do (``XDS_ADDRESS`` and
 ``CA_ADDRESS`` at it, no ``FAKE_CA``, no local config file): the lab's
 "unready" and "removed" are calls to the control plane's API, and ztunnel
 learns them over xDS. The control plane listens on the host; a relay
-(:class:`ztwisted.tools.lab.netns.Relay`) carries ztunnel's connections to it
+(:class:`ztwisted.tools.lab.relay.Relay`) carries ztunnel's connections to it
 from ztunnel's namespace, at the same address.
 
 What the lab cannot read from ztunnel, and where it looks instead:
@@ -47,7 +47,7 @@ class ZtunnelNodeA:
     has_pool_dump = False
 
     def __init__(self, namespaces, workdir: Path, control_plane, agent_socket: Path):
-        from ztwisted.tools.lab.netns import Relay
+        from ztwisted.tools.lab.relay import Relay
         from ztwisted.tools.lab.ztunnel_peer import ZtunnelMissing, ZtunnelPeer, find_ztunnel
 
         try:

@@ -192,3 +192,32 @@ def test_the_checks_can_fail():
     assert layer_of("tap", table) > layer_of("node", table) > layer_of("hbone.pool", table) > layer_of("interfaces", table)
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert connection_uses(UPWARD_AND_DRAINING) == ([5, 7], [6, 7])
+
+
+#: Over the size limits and not yet split (issue 12 asks for none): the drain lab's chart, measures and
+#: scenario runner, and the lab control plane's main. A new entry here is a step back; a fixed one must go.
+OVER_SIZE = {
+    "tools/lab/chart.py:_panel",
+    "tools/lab/measures.py:measure",
+    "tools/lab/scenario.py:_run",
+    "tools/control_plane.py:main",
+}
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 60
+
+
+def over_size() -> set[str]:
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.name.endswith("_pb2.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 > limit:
+                    found.add(f"{path.relative_to(PACKAGE).as_posix()}:{node.name}")
+    return found
+
+
+def test_no_class_over_300_lines_and_no_function_over_60():
+    assert over_size() == OVER_SIZE

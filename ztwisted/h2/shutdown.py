@@ -63,7 +63,8 @@ class Shutdown:
 
     def _second_goaway(self) -> None:
         connection = self.connection
-        if self.sent_last_stream_id != MAX_STREAM_ID or not connection.lifecycle.connected_now:
+        # Not once the connection is closing already (TLS would drop the frame anyway).
+        if self.sent_last_stream_id != MAX_STREAM_ID or not connection.lifecycle.winding_down:
             return
         connection.timers.cancel(Timer.GOAWAY_PING_WAIT)
         self.send_goaway(connection.h2.highest_inbound_stream_id)

@@ -28,10 +28,14 @@ so the same facts would have had to be kept a second time in flags -- the
 tangle this module replaces. An enum and one transition table keep every
 legal move in one place and every question a one-line property.
 
-``ended_by`` is part of the state: it is set by the move that starts the end
-(to close_notify, aborted or closed) and never changed after, except that an
-abort overrides the ending of a graceful close still waiting for the peer's
-close_notify (a keepalive timeout then is what really ended it).
+``ended_by`` is part of the state. It is set by the move that starts the end
+(to close_notify or aborted), or decided just before it when resetting the
+last streams would otherwise look like a drain (the drain deadline); when
+the peer or the network ended the connection, it is ``peer`` or ``lost``,
+decided once ``connectionLost`` has told the streams. It does not change
+after, except that an abort overrides the ending of a graceful close still
+waiting for the peer's close_notify (a keepalive timeout then is what really
+ended it).
 """
 
 from __future__ import annotations
@@ -98,15 +102,29 @@ class Lifecycle:
     """Where one connection is in its life, and how it ended."""
 
     state: State = State.NEW
-    #: one of :data:`ENDINGS`, set by the move that starts the end
+    #: one of :data:`ENDINGS`; see the module's docstring for when it is set
     ended_by: str | None = None
-    #: h2's output may be written: connected and not closing (kept as a flag for the DATA path)
-    writable: bool = False
+    # What the connection asks, derived from ``state`` at each move: plain attributes,
+    # as some are read for every frame (an enum's hash is a Python call).
+    #: the transport is there (it may be closing)
+    connected_now: bool = attrs.field(default=False, init=False)
+    #: new streams are taken
+    accepting: bool = attrs.field(default=False, init=False)
+    #: no new streams; closes once the last stream ended
+    winding_down: bool = attrs.field(default=False, init=False)
+    #: this side started to close the transport, or it is gone: nothing more is processed
+    ending: bool = attrs.field(default=False, init=False)
+    #: h2's output may be written: connected and not closing
+    writable: bool = attrs.field(default=False, init=False)
 
     def _move(self, to: State) -> None:
         if to not in _TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.state.value} -> {to.value}")
         self.state = to
+        self.connected_now = to not in (State.NEW, State.CLOSED)
+        self.accepting = to in _ACCEPTING
+        self.winding_down = to in _WINDING_DOWN
+        self.ending = to in _ENDING
         self.writable = to in _WRITABLE
 
     # -- inputs -----------------------------------------------------------------
@@ -121,7 +139,7 @@ class Lifecycle:
 
     def stop_taking_streams(self) -> None:
         """Drain asked for, or a GOAWAY received: no new streams."""
-        if self.state in _ACCEPTING:
+        if self.accepting:
             self._move(State.DRAINING)
 
     def last_stream_announced(self) -> None:
@@ -135,7 +153,7 @@ class Lifecycle:
 
     def send_close_notify(self, ended_by: str) -> bool:
         """Start a graceful close; False if the connection is ending already."""
-        if self.state in _ENDING:
+        if self.ending:
             return False
         self.ended_by = self.ended_by or ended_by
         self._move(State.CLOSE_NOTIFY)
@@ -155,29 +173,6 @@ class Lifecycle:
     def lost(self) -> None:
         """The transport is gone; :meth:`decide_ending` follows if nothing ended it before."""
         self._move(State.CLOSED)
-
-    # -- questions --------------------------------------------------------------
-
-    @property
-    def connected_now(self) -> bool:
-        """The transport is there (it may be closing)."""
-        return self.state not in (State.NEW, State.CLOSED)
-
-    @property
-    def accepting(self) -> bool:
-        return self.state in _ACCEPTING
-
-    @property
-    def winding_down(self) -> bool:
-        return self.state in _WINDING_DOWN
-
-    @property
-    def ending(self) -> bool:
-        return self.state in _ENDING
-
-    @property
-    def aborted(self) -> bool:
-        return self.state is State.ABORTED
 
 
 class Timer(enum.Enum):

@@ -126,7 +126,7 @@ class HBONEConnection(Protocol):
         self.on_limit: Callable[[str, str], None] | None = None
         #: called with this connection each time one of its streams ends
         self.stream_finished_hook: Callable[[HBONEConnection], None] | None = None
-        self.events = EventHandlers(self)
+        self._handlers_by_type = EventHandlers(self).by_type
 
     # -- what the lifecycle says ----------------------------------------------------
 
@@ -326,7 +326,9 @@ class HBONEConnection(Protocol):
     # -- h2 events: one handler each --------------------------------------------
 
     def _handle_event(self, event) -> None:
-        self.events.handle(event)
+        handler = self._handlers_by_type.get(type(event))
+        if handler is not None:
+            handler(event)
 
     # -- what streams use ---------------------------------------------------------
 

@@ -16,13 +16,14 @@ if TYPE_CHECKING:
 
 @attrs.define
 class EventHandlers:
-    """Dispatches each h2 event by its type; an event without a handler (trailers) is ignored."""
+    """The handler of each h2 event type; an event without one (trailers) is ignored."""
 
     connection: HBONEConnection
-    _handlers: dict = attrs.field(init=False)
+    #: event type -> handler; the connection looks its events up here (one call less per DATA frame)
+    by_type: dict = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self._handlers = {
+        self.by_type = {
             h2.events.DataReceived: self._on_data,
             h2.events.RequestReceived: self._on_request,
             h2.events.ResponseReceived: self._on_response,
@@ -35,11 +36,6 @@ class EventHandlers:
             h2.events.ConnectionTerminated: self._on_connection_terminated,
             h2.events.SettingsAcknowledged: self._on_settings_acknowledged,
         }
-
-    def handle(self, event) -> None:
-        handler = self._handlers.get(type(event))
-        if handler is not None:
-            handler(event)
 
     def _on_data(self, event: h2.events.DataReceived) -> None:
         stream = self.connection.streams.get(event.stream_id)

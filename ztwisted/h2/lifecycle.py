@@ -175,16 +175,19 @@ class Lifecycle:
         self._move(State.CLOSED)
 
 
-class Timer(enum.Enum):
-    """Every timer of a connection, each with its one owner (who starts it and whom it calls)."""
+class Timer:
+    """Every timer of a connection, each with its one owner (who starts it and whom it calls).
+
+    Plain strings rather than an enum: the keepalive timer is pushed back on
+    every read, and an enum member's hash is a Python call."""
 
     HANDSHAKE = "handshake"  # HBONEConnection: a TLS handshake that does not finish
     IDLE = "idle"  # HBONEConnection: a server connection that opens no stream
     CLOSE_NOTIFY = "close-notify"  # HBONEConnection: the peer's close_notify that does not come
     KEEPALIVE = "keepalive"  # Keepalive: quiet time before the next PING
     PING_TIMEOUT = "ping-timeout"  # Keepalive: the PING answer that does not come
-    GOAWAY_PING_WAIT = "goaway-ping-wait"  # GracefulShutdown: the PING after the first GOAWAY
-    DRAIN_DEADLINE = "drain-deadline"  # GracefulShutdown: the end of a graceful drain
+    GOAWAY_PING_WAIT = "goaway-ping-wait"  # Shutdown: the PING after the first GOAWAY
+    DRAIN_DEADLINE = "drain-deadline"  # Shutdown: the end of a graceful drain
 
 
 @attrs.define
@@ -192,14 +195,14 @@ class Timers:
     """The connection's delayed calls, on its injected clock; all cancelled when it is lost."""
 
     clock: object
-    _calls: dict[Timer, IDelayedCall] = attrs.field(factory=dict)
+    _calls: dict[str, IDelayedCall] = attrs.field(factory=dict)
 
-    def start(self, timer: Timer, seconds: float, call: Callable[[], None]) -> None:
+    def start(self, timer: str, seconds: float, call: Callable[[], None]) -> None:
         """Run ``call`` in ``seconds``, replacing what ``timer`` was set to."""
         self.cancel(timer)
         self._calls[timer] = self.clock.callLater(seconds, call)
 
-    def restart(self, timer: Timer, seconds: float, call: Callable[[], None]) -> None:
+    def restart(self, timer: str, seconds: float, call: Callable[[], None]) -> None:
         """Push an active ``timer`` back to ``seconds`` from now, or start it."""
         delayed = self._calls.get(timer)
         if delayed is not None and delayed.active():
@@ -207,15 +210,15 @@ class Timers:
         else:
             self._calls[timer] = self.clock.callLater(seconds, call)
 
-    def active(self, timer: Timer) -> bool:
+    def active(self, timer: str) -> bool:
         delayed = self._calls.get(timer)
         return delayed is not None and delayed.active()
 
-    def due(self, timer: Timer) -> float | None:
+    def due(self, timer: str) -> float | None:
         """When an active ``timer`` fires, in clock seconds."""
         return self._calls[timer].getTime() if self.active(timer) else None
 
-    def cancel(self, timer: Timer) -> None:
+    def cancel(self, timer: str) -> None:
         delayed = self._calls.pop(timer, None)
         if delayed is not None and delayed.active():
             delayed.cancel()

@@ -93,7 +93,7 @@ def test_non_connect_request_gets_400():
     pair.client.h2.send_headers(
         stream_id, [(":method", "GET"), (":scheme", "https"), (":path", "/"), (":authority", "x")], end_stream=True
     )
-    pair.client._flush_h2()
+    pair.client.send_pending()
     events = []
     original = pair.client._handle_event
     pair.client._handle_event = lambda e: (events.append(e), original(e))
@@ -158,7 +158,7 @@ def test_stream_above_last_stream_id_is_refused_and_retryable():
     pair.flush()
     assert first.called
     # Server already decided: last stream 1. The client has not seen it yet.
-    pair.server._send_goaway(1)
+    pair.server.shutdown.send_goaway(1)
     second = pair.client.open_tunnel("127.0.0.1:8080")
     failures = []
     second.addErrback(failures.append)

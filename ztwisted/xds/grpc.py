@@ -146,7 +146,7 @@ class GrpcConnection(HBONEConnection):
         self.h2.send_headers(stream_id, headers)
         stream = Stream(self, stream_id, dict(headers))
         self.streams[stream_id] = stream
-        self._flush_h2()
+        self.send_pending()
         return GrpcCall(stream, method, on_message)
 
     def _handle_event(self, event) -> None:

@@ -47,9 +47,19 @@ MODULES = modules()
 
 
 def imports_of(path: Path) -> set[str]:
-    """The ztwisted modules ``path`` imports, anywhere in it (function-level imports too)."""
+    """The ztwisted modules ``path`` imports, anywhere in it (function-level imports too, type-only ones not)."""
     imported = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    # Imports only for type annotations (under ``if TYPE_CHECKING:``) never run: they make no dependency.
+    type_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -27,7 +27,11 @@ def main() -> int:
     parser.add_argument("before", help="the Python of the 'before' install")
     parser.add_argument("after", help="the Python of the 'after' install")
     parser.add_argument("--repetitions", type=int, default=3)
-    parser.add_argument("--paths", default="envoy,ztwisted", help="passed to run.py; other paths are a reference for the machine's state")
+    parser.add_argument(
+        "--paths",
+        default="envoy,ztwisted",
+        help="passed to run.py; other paths are a reference for the machine's state",
+    )
     parser.add_argument("--net", type=int, default=41)
     args = parser.parse_args()
     run_py = Path(__file__).with_name("run.py")
@@ -37,8 +41,11 @@ def main() -> int:
         for repetition in range(args.repetitions):
             for label, python in pythons.items():
                 out = Path(scratch) / f"{label}-{repetition}.json"
-                subprocess.run([python, str(run_py), "--quick", "--net", str(args.net), "--paths", args.paths, "--json", str(out)],
-                               check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(
+                    [python, str(run_py), "--quick", "--net", str(args.net), "--paths", args.paths, "--json", str(out)],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
                 medians[label].append(json.loads(out.read_text())["medians"])
                 print(f"repetition {repetition + 1}: {label} done", file=sys.stderr)
     paths = list(medians["before"][0])

@@ -40,7 +40,7 @@ class Sink(asyncio.Protocol):
             if len(self.header) < HEADER.size:
                 return
             (self.expected,) = HEADER.unpack_from(self.header)
-            data = self.header[HEADER.size:]
+            data = self.header[HEADER.size :]
         self.received += len(data)
         if self.received >= self.expected:
             self.transport.write(HEADER.pack(self.received))

@@ -45,7 +45,9 @@ class Addresses:
         self.envoy_server = f"127.{net}.7.1"
 
 
-def wait_for_port(ip: str, port: int, what: str, process: subprocess.Popen | None = None, timeout: float = 20.0) -> None:
+def wait_for_port(
+    ip: str, port: int, what: str, process: subprocess.Popen | None = None, timeout: float = 20.0
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
@@ -69,7 +71,8 @@ class Apps:
         script = Path(__file__).with_name("apps.py")
         self.process = subprocess.Popen(
             [sys.executable, str(script), self.ip, str(ECHO_PORT), str(SINK_PORT)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         )
         line = self.process.stdout.readline()
         if line.strip() != b"ready":
@@ -157,7 +160,8 @@ class Stunnel(BenchPath):
         self.resume = resume
         self.name = "stunnel" if resume else "stunnel-noresume"
         self.description = "client -> stunnel client -> mTLS 1.3 -> stunnel server -> echo" + (
-            "" if resume else " (session resumption off)")
+            "" if resume else " (session resumption off)"
+        )
         self.addresses = addresses
         self.workdir = workdir / self.name
         self.ca = ca
@@ -181,8 +185,12 @@ class Stunnel(BenchPath):
             lines += [
                 f"[{app}]",
                 "client = yes" if role == "client" else "client = no",
-                f"accept = {a.stunnel_client}:{client_port}" if role == "client" else f"accept = {a.stunnel_server}:{server_port}",
-                f"connect = {a.stunnel_server}:{server_port}" if role == "client" else f"connect = {a.app}:{ECHO_PORT if app == 'echo' else SINK_PORT}",
+                f"accept = {a.stunnel_client}:{client_port}"
+                if role == "client"
+                else f"accept = {a.stunnel_server}:{server_port}",
+                f"connect = {a.stunnel_server}:{server_port}"
+                if role == "client"
+                else f"connect = {a.app}:{ECHO_PORT if app == 'echo' else SINK_PORT}",
                 f"cert = {certs[role + '_cert']}",
                 f"key = {certs[role + '_key']}",
                 f"CAfile = {certs['ca']}",
@@ -262,7 +270,9 @@ class Ztwisted(BenchPath):
         config = self.workdir / "mesh.yaml"
         config.write_text(MESH.format(client=self.addresses.client, app=self.addresses.app))
         for name, ip in (("node-b", self.addresses.node_b), ("node-a", self.addresses.node_a)):
-            node = NodeProcess(self.workdir / name, name=name, control_ip=ip, config=config, node=name, state_dir=self.state_dir)
+            node = NodeProcess(
+                self.workdir / name, name=name, control_ip=ip, config=config, node=name, state_dir=self.state_dir
+            )
             self.nodes.append(node)
             node.start()
 
@@ -297,10 +307,12 @@ def _tls_context(certs: dict[str, Path], role: str, peer_san: dict) -> dict:
     return {
         "alpn_protocols": ["h2"],
         "tls_params": {"tls_minimum_protocol_version": "TLSv1_3", "tls_maximum_protocol_version": "TLSv1_3"},
-        "tls_certificates": [{
-            "certificate_chain": {"filename": str(certs[f"{role}_cert"])},
-            "private_key": {"filename": str(certs[f"{role}_key"])},
-        }],
+        "tls_certificates": [
+            {
+                "certificate_chain": {"filename": str(certs[f"{role}_cert"])},
+                "private_key": {"filename": str(certs[f"{role}_key"])},
+            }
+        ],
         "validation_context": {
             "trusted_ca": {"filename": str(certs["ca"])},
             "match_typed_subject_alt_names": [{"san_type": "URI", "matcher": peer_san}],
@@ -313,21 +325,27 @@ def _static_cluster(name: str, ip: str, port: int, **extra) -> dict:
         "name": name,
         "type": "STATIC",
         "connect_timeout": "5s",
-        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}}}]}]},
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": ip, "port_value": port}}}}]}
+            ],
+        },
         **extra,
     }
 
 
 def _file_access_log(path: Path) -> list[dict]:
     """One line per connection, as ztwisted and stunnel log."""
-    return [{
-        "name": "envoy.access_loggers.file",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-            "path": str(path),
-        },
-    }]
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": str(path),
+            },
+        }
+    ]
 
 
 class Envoy(BenchPath):
@@ -368,46 +386,72 @@ class Envoy(BenchPath):
 
     def client_config(self, certs: dict[str, Path]) -> dict:
         a = self.addresses
-        listeners = [{
-            "name": f"app_{app}",
-            "address": {"socket_address": {"address": a.envoy_client, "port_value": port}},
-            "filter_chains": [{"filters": [{
-                "name": "envoy.filters.network.tcp_proxy",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
-                    "stat_prefix": f"hbone_{app}",
-                    "cluster": "hbone",
-                    "tunneling_config": {"hostname": self._authority(app)},
-                    "access_log": _file_access_log(self.workdir / "client-access.log"),
-                },
-            }]}],
-        } for app, port in self.ports.items()]
+        listeners = [
+            {
+                "name": f"app_{app}",
+                "address": {"socket_address": {"address": a.envoy_client, "port_value": port}},
+                "filter_chains": [
+                    {
+                        "filters": [
+                            {
+                                "name": "envoy.filters.network.tcp_proxy",
+                                "typed_config": {
+                                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                                    "stat_prefix": f"hbone_{app}",
+                                    "cluster": "hbone",
+                                    "tunneling_config": {"hostname": self._authority(app)},
+                                    "access_log": _file_access_log(self.workdir / "client-access.log"),
+                                },
+                            }
+                        ]
+                    }
+                ],
+            }
+            for app, port in self.ports.items()
+        ]
         hbone = _static_cluster(
-            "hbone", a.envoy_server, self.hbone_port,
+            "hbone",
+            a.envoy_server,
+            self.hbone_port,
             # Leave from the client workload's address, as its node proxy would.
             upstream_bind_config={"source_address": {"address": a.client, "port_value": 0}},
-            typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": self._http2_options()},
-            }},
-            transport_socket={"name": "envoy.transport_sockets.tls", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-                "common_tls_context": _tls_context(certs, "client", {"exact": "spiffe://cluster.local/ns/default/sa/echo"}),
-            }},
+            typed_extension_protocol_options={
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": self._http2_options()},
+                }
+            },
+            transport_socket={
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "common_tls_context": _tls_context(
+                        certs, "client", {"exact": "spiffe://cluster.local/ns/default/sa/echo"}
+                    ),
+                },
+            },
         )
         return {"admin": self._admin(a.envoy_client), "static_resources": {"listeners": listeners, "clusters": [hbone]}}
 
     def server_config(self, certs: dict[str, Path]) -> dict:
         a = self.addresses
-        virtual_hosts = [{
-            "name": app,
-            "domains": [self._authority(app)],
-            "routes": [{"match": {"connect_matcher": {}}, "route": {
-                "cluster": f"app_{app}",
-                # Terminate the CONNECT: its payload goes to the app as raw TCP.
-                "upgrade_configs": [{"upgrade_type": "CONNECT", "connect_config": {}}],
-            }}],
-        } for app in self.ports]
+        virtual_hosts = [
+            {
+                "name": app,
+                "domains": [self._authority(app)],
+                "routes": [
+                    {
+                        "match": {"connect_matcher": {}},
+                        "route": {
+                            "cluster": f"app_{app}",
+                            # Terminate the CONNECT: its payload goes to the app as raw TCP.
+                            "upgrade_configs": [{"upgrade_type": "CONNECT", "connect_config": {}}],
+                        },
+                    }
+                ],
+            }
+            for app in self.ports
+        ]
         manager = {
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": "hbone_in",
@@ -415,36 +459,63 @@ class Envoy(BenchPath):
             "http2_protocol_options": {"allow_connect": True, **self._http2_options()},
             "upgrade_configs": [{"upgrade_type": "CONNECT"}],
             "route_config": {"name": "hbone", "virtual_hosts": virtual_hosts},
-            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+            "http_filters": [
+                {
+                    "name": "envoy.filters.http.router",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                }
+            ],
             "access_log": _file_access_log(self.workdir / "server-access.log"),
         }
         listener = {
             "name": "hbone_inbound",
             "address": {"socket_address": {"address": a.envoy_server, "port_value": self.hbone_port}},
-            "filter_chains": [{
-                "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
-                    "require_client_certificate": True,
-                    "common_tls_context": _tls_context(certs, "server", {"prefix": "spiffe://cluster.local/"}),
-                }},
-                "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}],
-            }],
+            "filter_chains": [
+                {
+                    "transport_socket": {
+                        "name": "envoy.transport_sockets.tls",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                            "require_client_certificate": True,
+                            "common_tls_context": _tls_context(certs, "server", {"prefix": "spiffe://cluster.local/"}),
+                        },
+                    },
+                    "filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}],
+                }
+            ],
         }
-        clusters = [_static_cluster(f"app_{app}", a.app, ECHO_PORT if app == "echo" else SINK_PORT) for app in self.ports]
-        return {"admin": self._admin(a.envoy_server), "static_resources": {"listeners": [listener], "clusters": clusters}}
+        clusters = [
+            _static_cluster(f"app_{app}", a.app, ECHO_PORT if app == "echo" else SINK_PORT) for app in self.ports
+        ]
+        return {
+            "admin": self._admin(a.envoy_server),
+            "static_resources": {"listeners": [listener], "clusters": clusters},
+        }
 
     def start(self) -> None:
         envoy = find_envoy()
         certs = write_certificates(self.ca, self.workdir / "certs")
-        for role, config, ip in (("server", self.server_config(certs), self.addresses.envoy_server),
-                                 ("client", self.client_config(certs), self.addresses.envoy_client)):
+        for role, config, ip in (
+            ("server", self.server_config(certs), self.addresses.envoy_server),
+            ("client", self.client_config(certs), self.addresses.envoy_client),
+        ):
             path = self.workdir / f"{role}.json"
             path.write_text(json.dumps(config, indent=1))
             process = subprocess.Popen(
-                [envoy, "--config-path", str(path), "--concurrency", "1", "--disable-hot-restart",
-                 "--log-level", "warning", "--log-path", str(self.workdir / f"{role}.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    envoy,
+                    "--config-path",
+                    str(path),
+                    "--concurrency",
+                    "1",
+                    "--disable-hot-restart",
+                    "--log-level",
+                    "warning",
+                    "--log-path",
+                    str(self.workdir / f"{role}.log"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             self.processes[role] = process
             self._wait_ready(role, ip, process)
@@ -453,7 +524,9 @@ class Envoy(BenchPath):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"envoy {role} exited with code {process.returncode}; see {self.workdir / (role + '.log')}")
+                raise RuntimeError(
+                    f"envoy {role} exited with code {process.returncode}; see {self.workdir / (role + '.log')}"
+                )
             try:
                 with urllib.request.urlopen(f"http://{ip}:{self.admin_port}/ready", timeout=1) as response:
                     if response.status == 200:

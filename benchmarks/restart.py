@@ -32,8 +32,12 @@ REPO = Path(__file__).resolve().parent.parent
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20, help="restarts of each node (default 20)")
-    parser.add_argument("--net", type=int, default=int(os.environ.get("ZTWISTED_TEST_NET", "72")),
-                        help="use addresses in 127.NET.0.0/16 (default: $ZTWISTED_TEST_NET or 72)")
+    parser.add_argument(
+        "--net",
+        type=int,
+        default=int(os.environ.get("ZTWISTED_TEST_NET", "72")),
+        help="use addresses in 127.NET.0.0/16 (default: $ZTWISTED_TEST_NET or 72)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = parser.parse_args()
 
@@ -109,10 +113,14 @@ def _summary(result, rounds: int, seconds: float) -> dict:
 
 def _print(side: str, summary: dict) -> None:
     print(f"restarting {side}: {summary['restarts']} restarts in {summary['seconds']} s")
-    print(f"  short connections: {summary['connections_made']} made, {summary['connections_failed']} failed, "
-          f"{summary['bytes_verified'] / 1e6:.1f} MB verified")
-    print(f"  long tunnels: {summary['long_tunnels_exact']}/{summary['long_tunnels']} byte-exact, "
-          f"{summary['long_tunnel_bytes_verified'] / 1e6:.1f} MB verified")
+    print(
+        f"  short connections: {summary['connections_made']} made, {summary['connections_failed']} failed, "
+        f"{summary['bytes_verified'] / 1e6:.1f} MB verified"
+    )
+    print(
+        f"  long tunnels: {summary['long_tunnels_exact']}/{summary['long_tunnels']} byte-exact, "
+        f"{summary['long_tunnel_bytes_verified'] / 1e6:.1f} MB verified"
+    )
     print(f"  old processes' exit statuses: {summary['old_exit_statuses']}")
     for failure in summary["failures"]:
         print(f"  failure: {failure}")

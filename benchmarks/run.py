@@ -47,8 +47,24 @@ from ztwisted.ca import CertificateAuthority
 
 # retry_budget: until this many seconds into the measurements, a run disturbed by other
 # programs (see --max-others) is measured again.
-FULL = {"runs": 3, "bulk_mb": 200, "conns_seconds": 5.0, "pingpong": 5000, "setup": 200, "idle_conns": 500, "retry_budget": 150}
-QUICK = {"runs": 3, "bulk_mb": 40, "conns_seconds": 1.0, "pingpong": 1000, "setup": 40, "idle_conns": 200, "retry_budget": 15}
+FULL = {
+    "runs": 3,
+    "bulk_mb": 200,
+    "conns_seconds": 5.0,
+    "pingpong": 5000,
+    "setup": 200,
+    "idle_conns": 500,
+    "retry_budget": 150,
+}
+QUICK = {
+    "runs": 3,
+    "bulk_mb": 40,
+    "conns_seconds": 1.0,
+    "pingpong": 1000,
+    "setup": 40,
+    "idle_conns": 200,
+    "retry_budget": 15,
+}
 PINNED_CPU = 0
 CONN_PROCESSES, CONN_THREADS = 2, 8  # 16 concurrent clients
 PINGPONG_WARMUP = 200
@@ -136,11 +152,17 @@ def measure(path, settings: dict, apps: Apps) -> dict:
     with CpuMeter(pids) as bulk_cpu:
         result["bulk_mb_s"] = load.bulk(path.sink, settings["bulk_mb"] * 1_000_000)
     conns_cpu = CpuMeter(pids)
-    conns = load.short_connections(path.echo, settings["conns_seconds"], CONN_PROCESSES, CONN_THREADS, on_start=conns_cpu.start)
+    conns = load.short_connections(
+        path.echo, settings["conns_seconds"], CONN_PROCESSES, CONN_THREADS, on_start=conns_cpu.start
+    )
     conns_cpu.stop(client_seconds=conns["client_cpu_seconds"])
     if conns["errors"]:
-        print(f"  {path.name}: {conns['errors']} short connections failed, first: {conns['first_error']}", file=sys.stderr)
-    result.update(conns_per_s=conns["per_second"], conn_latency_p50_us=conns["latency_p50_us"], conn_errors=conns["errors"])
+        print(
+            f"  {path.name}: {conns['errors']} short connections failed, first: {conns['first_error']}", file=sys.stderr
+        )
+    result.update(
+        conns_per_s=conns["per_second"], conn_latency_p50_us=conns["latency_p50_us"], conn_errors=conns["errors"]
+    )
     with CpuMeter(pids) as pingpong_cpu:
         rtts = sorted(load.pingpong(path.echo, settings["pingpong"], warmup=PINGPONG_WARMUP))
     result.update(pingpong_p50_us=load.percentile(rtts, 50) / 1e3, pingpong_p99_us=load.percentile(rtts, 99) / 1e3)
@@ -254,7 +276,9 @@ def machine() -> dict:
     stunnel_version = "not installed"
     if stunnel:
         out = subprocess.run([stunnel, "-version"], capture_output=True, text=True)
-        stunnel_version = next((line.strip() for line in (out.stdout + out.stderr).splitlines() if line.startswith("stunnel ")), "?")
+        stunnel_version = next(
+            (line.strip() for line in (out.stdout + out.stderr).splitlines() if line.startswith("stunnel ")), "?"
+        )
     import ssl
 
     import OpenSSL
@@ -263,9 +287,14 @@ def machine() -> dict:
 
     source = Path(ztwisted.__file__).parent.parent
     head = subprocess.run(["git", "-C", str(source), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "ztwisted"], capture_output=True, text=True)
-    code = f"{source}" + (f" at {head.stdout.strip()}" + (" + uncommitted changes" if dirty.stdout.strip() else "")
-                          if head.returncode == 0 else " (not a git checkout)")
+    dirty = subprocess.run(
+        ["git", "-C", str(source), "status", "--porcelain", "ztwisted"], capture_output=True, text=True
+    )
+    code = f"{source}" + (
+        f" at {head.stdout.strip()}" + (" + uncommitted changes" if dirty.stdout.strip() else "")
+        if head.returncode == 0
+        else " (not a git checkout)"
+    )
     return {
         "ztwisted": code,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -392,11 +421,29 @@ def profile(path: Ztwisted, settings: dict, directory: Path) -> str:
         recorders = {}
         for role, pid in path.pids().items():
             raw = directory / f"{phase}-{role}.txt"
-            recorders[role] = (raw, pid, subprocess.Popen(
-                [py_spy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "400",
-                 "--format", "raw", "--output", str(raw), "--nonblocking"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))
+            recorders[role] = (
+                raw,
+                pid,
+                subprocess.Popen(
+                    [
+                        py_spy,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--duration",
+                        str(seconds),
+                        "--rate",
+                        "400",
+                        "--format",
+                        "raw",
+                        "--output",
+                        str(raw),
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+            )
         time.sleep(0.5)
         cpu_before = {role: cpu_seconds(pid) for role, (_, pid, _) in recorders.items()}
         began = time.monotonic()
@@ -406,7 +453,9 @@ def profile(path: Ztwisted, settings: dict, directory: Path) -> str:
         cpu = {role: (cpu_seconds(pid) - cpu_before[role]) / wall for role, (_, pid, _) in recorders.items()}
         for role, (raw, _, recorder) in recorders.items():
             recorder.wait(seconds + 30)
-            summary.append(f"### {phase}, {role} (used {100 * cpu[role]:.0f} % of a core)\n\n{summarise_profile(raw)}\n")
+            summary.append(
+                f"### {phase}, {role} (used {100 * cpu[role]:.0f} % of a core)\n\n{summarise_profile(raw)}\n"
+            )
     return "\n".join(summary)
 
 
@@ -484,16 +533,33 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="shorter runs (under a minute)")
     parser.add_argument("--out", type=Path, help="also write the markdown report to this file")
     parser.add_argument("--json", type=Path, help="write every run's raw numbers to this file")
-    parser.add_argument("--profile", type=Path, metavar="DIR", help="afterwards, py-spy the ztwisted nodes and write profiles here")
+    parser.add_argument(
+        "--profile", type=Path, metavar="DIR", help="afterwards, py-spy the ztwisted nodes and write profiles here"
+    )
     parser.add_argument("--net", type=int, default=41, help="use addresses in 127.NET.0.0/16 (default 41)")
-    parser.add_argument("--workdir", type=Path, help="keep configs, certificates and logs here (default: a temporary directory)")
-    parser.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
-                        help="first wait up to this long for the machine to be idle (it may be shared)")
-    parser.add_argument("--max-others", type=float, default=float("inf"), metavar="CORES",
-                        help="on a shared machine: measure a run again (within a time budget) when other "
-                             "programs used more than this many cores (default: never)")
-    parser.add_argument("--paths", default="direct,stunnel,envoy,ztwisted",
-                        help="comma-separated paths to run, of direct, stunnel, stunnel-noresume, envoy, ztwisted")
+    parser.add_argument(
+        "--workdir", type=Path, help="keep configs, certificates and logs here (default: a temporary directory)"
+    )
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="first wait up to this long for the machine to be idle (it may be shared)",
+    )
+    parser.add_argument(
+        "--max-others",
+        type=float,
+        default=float("inf"),
+        metavar="CORES",
+        help="on a shared machine: measure a run again (within a time budget) when other "
+        "programs used more than this many cores (default: never)",
+    )
+    parser.add_argument(
+        "--paths",
+        default="direct,stunnel,envoy,ztwisted",
+        help="comma-separated paths to run, of direct, stunnel, stunnel-noresume, envoy, ztwisted",
+    )
     args = parser.parse_args()
     settings = QUICK if args.quick else FULL
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ztwisted-bench-"))
@@ -540,11 +606,13 @@ def main() -> int:
                     result = measure(path, settings, apps)
                     result["others_cores"] = max(phase["others"] for phase in result["cpu_cores"].values())
                     tries.append(result)
-                    print(f"run {run + 1} {path.name:17s} {time.monotonic() - t0:5.1f} s  "
-                          + "  ".join(f"{k}={_fmt(v)}" for k, v in result.items() if k != "cpu_cores")
-                          + "  cores used in conns: "
-                          + " ".join(f"{k}={v:.2f}" for k, v in result["cpu_cores"]["conns"].items()),
-                          file=sys.stderr)
+                    print(
+                        f"run {run + 1} {path.name:17s} {time.monotonic() - t0:5.1f} s  "
+                        + "  ".join(f"{k}={_fmt(v)}" for k, v in result.items() if k != "cpu_cores")
+                        + "  cores used in conns: "
+                        + " ".join(f"{k}={v:.2f}" for k, v in result["cpu_cores"]["conns"].items()),
+                        file=sys.stderr,
+                    )
                     if result["others_cores"] <= args.max_others or time.monotonic() > retry_until:
                         break
                     print(f"  other programs used {result['others_cores']:.2f} cores; measuring again", file=sys.stderr)
@@ -571,8 +639,12 @@ def main() -> int:
         f"short connections for {settings['conns_seconds']} s with {CONN_PROCESSES} processes x {CONN_THREADS} threads; "
         f"{settings['pingpong']} ping-pongs; {settings['setup']} sequential new connections. Whole run {elapsed:.0f} s. "
         f"Before starting, {idle_before:.2f} cores were busy. "
-        + (f"{retries} runs were measured again because other programs used more than {args.max_others} cores; "
-           f"each run kept is the least disturbed try (column 'others' below)." if args.max_others != float("inf") else ""),
+        + (
+            f"{retries} runs were measured again because other programs used more than {args.max_others} cores; "
+            f"each run kept is the least disturbed try (column 'others' below)."
+            if args.max_others != float("inf")
+            else ""
+        ),
         "",
         table(medians, names),
         "",
@@ -594,7 +666,9 @@ def main() -> int:
     if args.out:
         args.out.write_text(text + "\n")
     if args.json:
-        args.json.write_text(json.dumps({"machine": info, "settings": settings, "runs": runs, "medians": medians}, indent=2))
+        args.json.write_text(
+            json.dumps({"machine": info, "settings": settings, "runs": runs, "medians": medians}, indent=2)
+        )
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -99,8 +99,19 @@ class PairAddresses:
 class Pair(BenchPath):
     """Node A (``ztunnel`` or ``ztwisted``) -> HBONE -> node B, each in its own namespace."""
 
-    def __init__(self, index: int, a: str, b: str, workers: int | None, *, net: int, namespaces: Namespaces,
-                 workdir: Path, state_dir: Path, install):
+    def __init__(
+        self,
+        index: int,
+        a: str,
+        b: str,
+        workers: int | None,
+        *,
+        net: int,
+        namespaces: Namespaces,
+        workdir: Path,
+        state_dir: Path,
+        install,
+    ):
         self.a, self.b, self.workers = a, b, workers
         suffix = "" if workers is None or "ztunnel" not in (a, b) else f" ({workers} worker{'s' * (workers > 1)})"
         self.name = f"{a}-{b}{'-1w' if workers == 1 else ''}"
@@ -134,11 +145,25 @@ class Pair(BenchPath):
                 env = {"ENABLE_ORIG_SRC": "false"}
                 if self.workers:
                     env["ZTUNNEL_WORKER_THREADS"] = str(self.workers)
-                proxy = ZtunnelPeer(role, netns=self.namespaces.name(ns), config=mesh, workdir=self.workdir,
-                                    workload=workload, install=self.install, env=env)
+                proxy = ZtunnelPeer(
+                    role,
+                    netns=self.namespaces.name(ns),
+                    config=mesh,
+                    workdir=self.workdir,
+                    workload=workload,
+                    install=self.install,
+                    env=env,
+                )
             else:
-                proxy = NodeProcess(self.workdir / role, name=role, control_ip=control_ip, config=mesh, node=role,
-                                    state_dir=self.state_dir, netns=self.namespaces.name(ns))
+                proxy = NodeProcess(
+                    self.workdir / role,
+                    name=role,
+                    control_ip=control_ip,
+                    config=mesh,
+                    node=role,
+                    state_dir=self.state_dir,
+                    netns=self.namespaces.name(ns),
+                )
             self.proxies[role] = proxy
             proxy.start()
 
@@ -187,9 +212,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="also write the markdown report here")
     parser.add_argument("--json", type=Path, help="write every run's raw numbers here")
     parser.add_argument("--net", type=int, default=42, help="addresses 10.NET.0.0/16 and 127.NET.0.0/16 (default 42)")
-    parser.add_argument("--pairs", default="ztunnel-ztunnel,ztunnel-ztunnel-1w,ztwisted-ztwisted,ztunnel-ztwisted,"
-                        "ztunnel-ztwisted-1w,ztwisted-ztunnel,ztwisted-ztunnel-1w",
-                        help="comma-separated; -1w: ztunnel with ZTUNNEL_WORKER_THREADS=1 (default: all)")
+    parser.add_argument(
+        "--pairs",
+        default="ztunnel-ztunnel,ztunnel-ztunnel-1w,ztwisted-ztwisted,ztunnel-ztwisted,"
+        "ztunnel-ztwisted-1w,ztwisted-ztunnel,ztwisted-ztunnel-1w",
+        help="comma-separated; -1w: ztunnel with ZTUNNEL_WORKER_THREADS=1 (default: all)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep configs and logs here (default: a temporary directory)")
     args = parser.parse_args()
     settings = dict(QUICK if args.quick else FULL)
@@ -209,8 +237,19 @@ def main() -> int:
         if {a, b} - {"ztunnel", "ztwisted"}:
             parser.error(f"unknown pair {name!r}")
         workers = 1 if name.endswith("-1w") else (default_worker_threads() if "ztunnel" in (a, b) else None)
-        pairs.append(Pair(index, a, b, workers, net=args.net, namespaces=namespaces, workdir=workdir,
-                          state_dir=state_dir, install=install))
+        pairs.append(
+            Pair(
+                index,
+                a,
+                b,
+                workers,
+                net=args.net,
+                namespaces=namespaces,
+                workdir=workdir,
+                state_dir=state_dir,
+                install=install,
+            )
+        )
     runs: dict[str, list[dict]] = {p.name: [] for p in pairs}
     began = time.monotonic()
     started = []
@@ -226,8 +265,11 @@ def main() -> int:
                 t0 = time.monotonic()
                 result = pair.in_client_namespace(lambda pair=pair: measure(pair, settings, pair.apps))
                 runs[pair.name].append(result)
-                print(f"run {run + 1} {pair.name:22s} {time.monotonic() - t0:5.1f} s  "
-                      + "  ".join(f"{k}={_fmt(v)}" for k, v in result.items() if k != "cpu_cores"), file=sys.stderr)
+                print(
+                    f"run {run + 1} {pair.name:22s} {time.monotonic() - t0:5.1f} s  "
+                    + "  ".join(f"{k}={_fmt(v)}" for k, v in result.items() if k != "cpu_cores"),
+                    file=sys.stderr,
+                )
     finally:
         for pair in reversed(started):
             pair.stop()
@@ -260,11 +302,19 @@ def main() -> int:
     if args.out:
         args.out.write_text(text + "\n")
     if args.json:
-        args.json.write_text(json.dumps({
-            "machine": info, "settings": settings, "runs": runs, "medians": medians,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "pairs": {p.name: p.description for p in pairs},
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "settings": settings,
+                    "runs": runs,
+                    "medians": medians,
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "pairs": {p.name: p.description for p in pairs},
+                },
+                indent=2,
+            )
+        )
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -40,6 +40,7 @@ def listeners_in(net: int) -> list[str]:
 
 def _socket_owners(inodes: set[str]) -> dict[str, str]:
     """inode -> "pid N: command line" for the sockets among ``inodes`` that a process here holds."""
+
     def readlink(path: str) -> str:
         try:
             return os.readlink(path)
@@ -277,7 +278,9 @@ def echo_through(sock: socket.socket, payload: bytes, timeout: float = 30.0) -> 
     return received
 
 
-def stream_and_hash(sock: socket.socket, total: int, chunk_size: int = 1 << 20, timeout: float = 60.0) -> tuple[str, str, int]:
+def stream_and_hash(
+    sock: socket.socket, total: int, chunk_size: int = 1 << 20, timeout: float = 60.0
+) -> tuple[str, str, int]:
     """Send ``total`` random bytes in chunks while a concurrent reader hashes what comes back.
 
     Returns (sha256 of what was sent, sha256 of what was received, bytes received).

@@ -88,8 +88,10 @@ class Endpoint(Resource):
             request.setResponseCode(405)
             request.setHeader(b"Allow", b", ".join(allowed))
             request.setHeader(b"Content-Type", TEXT)
-            return (f"method {method.decode('ascii', 'replace')} not allowed on "
-                    f"{_path(request)}; allowed: {b', '.join(allowed).decode()}\n").encode()
+            return (
+                f"method {method.decode('ascii', 'replace')} not allowed on "
+                f"{_path(request)}; allowed: {b', '.join(allowed).decode()}\n"
+            ).encode()
         return getattr(self, "render_" + method.decode("ascii"))(request)
 
     def render_GET(self, request: Request) -> bytes:  # pragma: no cover - overridden
@@ -135,8 +137,7 @@ class QuitQuitQuit(Endpoint):
         self.clock = clock
 
     def render_POST(self, request: Request) -> bytes:
-        log.info("shutdown requested via POST /quitquitquit from {client}",
-                 client=request.getClientAddress())
+        log.info("shutdown requested via POST /quitquitquit from {client}", client=request.getClientAddress())
         # Next turn, so the response is written before shutdown starts.
         self.clock.callLater(0, self._quit)
         request.setHeader(b"Content-Type", TEXT)
@@ -144,7 +145,8 @@ class QuitQuitQuit(Endpoint):
 
     def _quit(self) -> None:
         defer.maybeDeferred(self.node.quit).addErrback(
-            lambda failure: log.failure("quit after /quitquitquit failed", failure))
+            lambda failure: log.failure("quit after /quitquitquit failed", failure)
+        )
 
 
 class _AdminIndex(Endpoint):
@@ -193,12 +195,12 @@ class AdminRoot(Resource):
         self._index = _AdminIndex(self)
 
     def extra_routes(self) -> dict[str, IResource]:
-        routes_of: Callable[[], Mapping[str, IResource]] | None = getattr(
-            self.node, "admin_routes", None)
+        routes_of: Callable[[], Mapping[str, IResource]] | None = getattr(self.node, "admin_routes", None)
         if routes_of is None:
             return {}
-        return {"/" + "/".join(s.decode() for s in _split(path)): resource
-                for path, resource in (routes_of() or {}).items()}
+        return {
+            "/" + "/".join(s.decode() for s in _split(path)): resource for path, resource in (routes_of() or {}).items()
+        }
 
     def getChild(self, path: bytes, request: Request) -> IResource:
         if path == b"" and not any(request.postpath):

@@ -53,10 +53,9 @@ class Connection:
 def applicable_policies(policies: Iterable[Policy], destination: Workload) -> list[Policy]:
     selected = set(destination.authorization_policies)
     return [
-        p for p in policies
-        if p.scope == "Global"
-        or (p.scope == "Namespace" and p.namespace == destination.namespace)
-        or p.key in selected
+        p
+        for p in policies
+        if p.scope == "Global" or (p.scope == "Namespace" and p.namespace == destination.namespace) or p.key in selected
     ]
 
 
@@ -112,10 +111,13 @@ def match_matches(m: Match, conn: Connection) -> bool:
         _field(m.destination_ips, m.not_destination_ips, lambda net: conn.destination_ip in net)
         and _field(m.source_ips, m.not_source_ips, lambda net: conn.source_ip in net)
         and _field(m.destination_ports, m.not_destination_ports, lambda p: p == conn.destination_port)
-        and _field(m.service_accounts, m.not_service_accounts,
-                   lambda sa: source is not None
-                   and sa.namespace == source.namespace
-                   and sa.service_account == source.service_account)
+        and _field(
+            m.service_accounts,
+            m.not_service_accounts,
+            lambda sa: (
+                source is not None and sa.namespace == source.namespace and sa.service_account == source.service_account
+            ),
+        )
         # An unauthenticated source has no principal: no principal matcher applies.
         and _field(m.principals, m.not_principals, lambda s: principal != "" and s.matches(principal))
         and _field(m.namespaces, m.not_namespaces, lambda s: s.matches(namespace))

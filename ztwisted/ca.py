@@ -290,7 +290,9 @@ class CertificateAuthority:
             serial=cert.serial_number,
         )
 
-    def _sign_leaf(self, public_key, sans: list[x509.GeneralName], not_after: datetime, now: datetime) -> x509.Certificate:
+    def _sign_leaf(
+        self, public_key, sans: list[x509.GeneralName], not_after: datetime, now: datetime
+    ) -> x509.Certificate:
         """A leaf for ``public_key`` whose only names are ``sans`` (Istio leaves have an empty subject)."""
         return (
             x509.CertificateBuilder()
@@ -327,7 +329,9 @@ class CertificateAuthority:
 
     # -- signing requests (the lab control plane's CA service) ------------------------
 
-    def sign_csr(self, csr: x509.CertificateSigningRequest, lifetime: timedelta, now: datetime | None = None) -> x509.Certificate:
+    def sign_csr(
+        self, csr: x509.CertificateSigningRequest, lifetime: timedelta, now: datetime | None = None
+    ) -> x509.Certificate:
         """Sign a CSR's key with the names it asks for (URI, DNS and IP SANs); CAError if it is not acceptable."""
         if not csr.is_signature_valid:
             raise CAError("the CSR's signature does not verify")

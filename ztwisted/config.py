@@ -88,9 +88,16 @@ class EmptyConfigError(ConfigError):
     """
 
     def __init__(self, source: str) -> None:
-        super().__init__(source, [Problem(
-            "(file)", "no YAML document (the file is empty or holds only comments); "
-                      "a mesh without workloads is written `workloads: []`")])
+        super().__init__(
+            source,
+            [
+                Problem(
+                    "(file)",
+                    "no YAML document (the file is empty or holds only comments); "
+                    "a mesh without workloads is written `workloads: []`",
+                )
+            ],
+        )
 
 
 def builtin_example_path() -> str:
@@ -155,7 +162,8 @@ class _Loader(yaml.SafeLoader):
                 continue  # unhashable; the base class reports it
             if duplicate:
                 raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark)
+                    "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -167,7 +175,8 @@ _Loader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def _tagged(tag: str) -> Callable[[yaml.SafeLoader, yaml.Node], _Tagged]:
@@ -175,6 +184,7 @@ def _tagged(tag: str) -> Callable[[yaml.SafeLoader, yaml.Node], _Tagged]:
         if isinstance(node, yaml.ScalarNode):
             return _Tagged(tag, loader.construct_scalar(node))
         return _Tagged(tag, None)
+
     return construct
 
 
@@ -249,6 +259,7 @@ def _nonempty_string(value: Any) -> str:
 
 def _identity_part(which: str) -> Callable[[Any], str]:
     """A trust domain, namespace or service account usable in a SPIFFE ID."""
+
     def check(value: Any) -> str:
         parts = {"trust domain": "cluster.local", "namespace": "default", "service account": "default"}
         parts[which] = _string(value)
@@ -257,6 +268,7 @@ def _identity_part(which: str) -> Callable[[Any], str]:
         except InvalidSpiffeId as e:
             raise _Bad(str(e)) from None
         return value
+
     return check
 
 
@@ -295,14 +307,14 @@ def _cidr(value: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
 
 
 def _vip(value: Any) -> tuple[str, ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """"network/ip" (network may be empty: "/10.0.0.1"), or a bare IP."""
+    """ "network/ip" (network may be empty: "/10.0.0.1"), or a bare IP."""
     if not isinstance(value, str):
-        raise _Bad(f"expected \"network/ip\", got {_describe(value)}")
+        raise _Bad(f'expected "network/ip", got {_describe(value)}')
     network, _slash, ip = value.rpartition("/")
     try:
         return network, ipaddress.ip_address(ip)
     except ValueError:
-        raise _Bad(f"{value!r} is not \"network/ip\" (e.g. \"/10.0.0.1\")") from None
+        raise _Bad(f'{value!r} is not "network/ip" (e.g. "/10.0.0.1")') from None
 
 
 def _count(value: Any) -> int:
@@ -342,20 +354,21 @@ def _enum(*choices: str) -> Callable[[Any], str]:
             shown = repr(value) if isinstance(value, str) else _describe(value)
             raise _Bad(f"{shown} is not one of {', '.join(choices)}")
         return value
+
     return check
 
 
 def _namespaced_hostname(value: Any) -> str:
     namespace, slash, hostname = _string(value).partition("/")
     if not slash or not namespace or not hostname or "/" in hostname:
-        raise _Bad(f"{value!r} is not \"namespace/hostname\"")
+        raise _Bad(f'{value!r} is not "namespace/hostname"')
     return value
 
 
 def _policy_key(value: Any) -> str:
     namespace, slash, name = _string(value).partition("/")
     if not slash or not namespace or not name or "/" in name:
-        raise _Bad(f"{value!r} is not \"namespace/name\"")
+        raise _Bad(f'{value!r} is not "namespace/name"')
     return value
 
 
@@ -387,7 +400,7 @@ def _service_account(value: Any) -> ServiceAccountMatch:
     if isinstance(value, str):
         namespace, slash, account = value.partition("/")
         if not slash or not namespace or not account:
-            raise _Bad(f"{value!r} is not \"namespace/serviceAccount\"")
+            raise _Bad(f'{value!r} is not "namespace/serviceAccount"')
         return ServiceAccountMatch(namespace, account)
     if isinstance(value, dict):
         unknown = sorted(str(k) for k in value if k not in ("namespace", "serviceAccount"))
@@ -397,7 +410,7 @@ def _service_account(value: Any) -> ServiceAccountMatch:
             return ServiceAccountMatch(_string(value["namespace"]), _string(value["serviceAccount"]))
         except KeyError as e:
             raise _Bad(f"missing {e.args[0]!r}; expected namespace and serviceAccount") from None
-    raise _Bad(f"expected {{namespace: ..., serviceAccount: ...}} or \"ns/sa\", got {_describe(value)}")
+    raise _Bad(f'expected {{namespace: ..., serviceAccount: ...}} or "ns/sa", got {_describe(value)}')
 
 
 @attrs.frozen
@@ -432,11 +445,13 @@ class _Reader:
                 return check(value)
             except _Bad as e:
                 return reader.problem(path, str(e))
+
         return read
 
     @staticmethod
-    def list_of(item: Callable[[_Reader, Any, str], Any], *, nonempty: bool = False,
-                null_is_empty: bool = False) -> Callable[[_Reader, Any, str], Any]:
+    def list_of(
+        item: Callable[[_Reader, Any, str], Any], *, nonempty: bool = False, null_is_empty: bool = False
+    ) -> Callable[[_Reader, Any, str], Any]:
         def read(reader: _Reader, value: Any, path: str) -> Any:
             if value is None and null_is_empty:
                 return ()
@@ -446,11 +461,13 @@ class _Reader:
                 return reader.problem(path, "must list at least one entry")
             items = [item(reader, v, f"{path}[{i}]") for i, v in enumerate(value)]
             return _INVALID if any(v is _INVALID for v in items) else tuple(items)
+
         return read
 
     @staticmethod
-    def map_of(key: Callable[[Any], Any], item: Callable[[_Reader, Any, str], Any]
-               ) -> Callable[[_Reader, Any, str], Any]:
+    def map_of(
+        key: Callable[[Any], Any], item: Callable[[_Reader, Any, str], Any]
+    ) -> Callable[[_Reader, Any, str], Any]:
         def read(reader: _Reader, value: Any, path: str) -> Any:
             if not isinstance(value, dict):
                 return reader.problem(path, f"expected a mapping, got {_describe(value)}")
@@ -464,10 +481,12 @@ class _Reader:
                     continue
                 out[checked] = item(reader, v, where)
             return _INVALID if any(v is _INVALID for v in out.values()) else out
+
         return read
 
-    def record(self, value: Any, path: str, fields: dict[str, _Field],
-               unsupported: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+    def record(
+        self, value: Any, path: str, fields: dict[str, _Field], unsupported: frozenset[str] = frozenset()
+    ) -> dict[str, Any] | None:
         """Check a mapping against `fields`: attrs values by name, or None if bad.
 
         Optional fields that are absent are left out (the model's default applies).
@@ -498,14 +517,21 @@ class _Reader:
 
     def mesh(self, data: Any) -> Mesh | None:
         if isinstance(data, list):
-            self.problem("(top level)", "expected a mapping with workloads, services and policies, "
-                                        "got a list (the old ztunnel format that listed workloads only)")
+            self.problem(
+                "(top level)",
+                "expected a mapping with workloads, services and policies, "
+                "got a list (the old ztunnel format that listed workloads only)",
+            )
             return None
-        top = self.record(data, "", {
-            "workloads": _Field("workloads", self.list_of(_Reader.workload, null_is_empty=True)),
-            "services": _Field("services", self.list_of(_Reader.service, null_is_empty=True)),
-            "policies": _Field("policies", self.list_of(_Reader.policy, null_is_empty=True)),
-        })
+        top = self.record(
+            data,
+            "",
+            {
+                "workloads": _Field("workloads", self.list_of(_Reader.workload, null_is_empty=True)),
+                "services": _Field("services", self.list_of(_Reader.service, null_is_empty=True)),
+                "policies": _Field("policies", self.list_of(_Reader.policy, null_is_empty=True)),
+            },
+        )
         if top is None:
             return None
         workloads, services, policies = (top.get(k, ()) for k in ("workloads", "services", "policies"))
@@ -513,34 +539,38 @@ class _Reader:
 
     def workload(self, value: Any, path: str) -> Workload | object:
         s = self.scalar
-        fields = self.record(value, path, {
-            "uid": _Field("uid", s(_nonempty_string)),
-            "name": _Field("name", s(_string)),
-            "namespace": _Field("namespace", s(_identity_part("namespace")), required=True),
-            "serviceAccount": _Field("service_account", s(_identity_part("service account"))),
-            "workloadIps": _Field("workload_ips", self.list_of(s(_ip_address)), required=True),
-            "protocol": _Field("protocol", s(_enum("HBONE", "TCP"))),
-            "node": _Field("node", s(_string)),
-            "network": _Field("network", s(_string)),
-            "services": _Field("services", self.map_of(_namespaced_hostname, self.map_of(_port, s(_port)))),
-            "trustDomain": _Field("trust_domain", s(_identity_part("trust domain"))),
-            "canonicalName": _Field("canonical_name", s(_string)),
-            "canonicalRevision": _Field("canonical_revision", s(_string)),
-            "status": _Field("status", s(_enum("Healthy", "Unhealthy"))),
-            "clusterId": _Field("cluster_id", s(_string)),
-            "workloadName": _Field("workload_name", s(_string)),
-            "workloadType": _Field("workload_type", s(_string)),
-            "hostname": _Field("hostname", s(_string)),
-            "nativeTunnel": _Field("native_tunnel", s(_bool)),
-            "authorizationPolicies": _Field("authorization_policies", self.list_of(s(_policy_key))),
-            "networkMode": _Field("network_mode", s(_enum("Standard", "HostNetwork"))),
-            "capacity": _Field("capacity", s(_count)),
-            # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
-            "waypoint": _Field(None, _Reader.gateway_address),
-            "networkGateway": _Field(None, _Reader.gateway_address),
-            "applicationTunnel": _Field(None, _Reader.application_tunnel),
-            "locality": _Field(None, _Reader.locality),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "uid": _Field("uid", s(_nonempty_string)),
+                "name": _Field("name", s(_string)),
+                "namespace": _Field("namespace", s(_identity_part("namespace")), required=True),
+                "serviceAccount": _Field("service_account", s(_identity_part("service account"))),
+                "workloadIps": _Field("workload_ips", self.list_of(s(_ip_address)), required=True),
+                "protocol": _Field("protocol", s(_enum("HBONE", "TCP"))),
+                "node": _Field("node", s(_string)),
+                "network": _Field("network", s(_string)),
+                "services": _Field("services", self.map_of(_namespaced_hostname, self.map_of(_port, s(_port)))),
+                "trustDomain": _Field("trust_domain", s(_identity_part("trust domain"))),
+                "canonicalName": _Field("canonical_name", s(_string)),
+                "canonicalRevision": _Field("canonical_revision", s(_string)),
+                "status": _Field("status", s(_enum("Healthy", "Unhealthy"))),
+                "clusterId": _Field("cluster_id", s(_string)),
+                "workloadName": _Field("workload_name", s(_string)),
+                "workloadType": _Field("workload_type", s(_string)),
+                "hostname": _Field("hostname", s(_string)),
+                "nativeTunnel": _Field("native_tunnel", s(_bool)),
+                "authorizationPolicies": _Field("authorization_policies", self.list_of(s(_policy_key))),
+                "networkMode": _Field("network_mode", s(_enum("Standard", "HostNetwork"))),
+                "capacity": _Field("capacity", s(_count)),
+                # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
+                "waypoint": _Field(None, _Reader.gateway_address),
+                "networkGateway": _Field(None, _Reader.gateway_address),
+                "applicationTunnel": _Field(None, _Reader.application_tunnel),
+                "locality": _Field(None, _Reader.locality),
+            },
+        )
         if fields is None:
             return _INVALID
         fields.pop(None, None)
@@ -559,24 +589,27 @@ class _Reader:
 
     def service(self, value: Any, path: str) -> Service | object:
         s = self.scalar
-        fields = self.record(value, path, {
-            "name": _Field("name", s(_nonempty_string), required=True),
-            "namespace": _Field("namespace", s(_nonempty_string), required=True),
-            "hostname": _Field("hostname", s(_nonempty_string), required=True),
-            "vips": _Field("vips", self.list_of(s(_vip))),
-            "ports": _Field("ports", self.map_of(_port, s(_port)), required=True),
-            "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
-            "canonical": _Field("canonical", s(_bool)),
-            "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
-            "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, _Reader.endpoint)),
-            "loadBalancer": _Field("load_balancer", _Reader.load_balancer),
-            # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
-            "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
-            "waypoint": _Field(None, _Reader.gateway_address),
-            "weightedWaypoints": _Field(None, self.list_of(_Reader.weighted_waypoint)),
-
-            "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "name": _Field("name", s(_nonempty_string), required=True),
+                "namespace": _Field("namespace", s(_nonempty_string), required=True),
+                "hostname": _Field("hostname", s(_nonempty_string), required=True),
+                "vips": _Field("vips", self.list_of(s(_vip))),
+                "ports": _Field("ports", self.map_of(_port, s(_port)), required=True),
+                "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
+                "canonical": _Field("canonical", s(_bool)),
+                "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
+                "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, _Reader.endpoint)),
+                "loadBalancer": _Field("load_balancer", _Reader.load_balancer),
+                # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
+                "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
+                "waypoint": _Field(None, _Reader.gateway_address),
+                "weightedWaypoints": _Field(None, self.list_of(_Reader.weighted_waypoint)),
+                "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
+            },
+        )
         if fields is None:
             return _INVALID
         fields.pop(None, None)
@@ -591,71 +624,102 @@ class _Reader:
 
     def endpoint(self, value: Any, path: str) -> tuple[Any, str] | object:
         """One of a service's ``endpoints`` (keyed by workload uid): its port map and status."""
-        fields = self.record(value, path, {
-            "workloadUid": _Field("uid", self.scalar(_nonempty_string), required=True),
-            "port": _Field("ports", self.map_of(_port, self.scalar(_port)), required=True),
-            "status": _Field("status", self.scalar(_enum("Healthy", "Unhealthy")), required=True),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "workloadUid": _Field("uid", self.scalar(_nonempty_string), required=True),
+                "port": _Field("ports", self.map_of(_port, self.scalar(_port)), required=True),
+                "status": _Field("status", self.scalar(_enum("Healthy", "Unhealthy")), required=True),
+            },
+        )
         return _INVALID if fields is None else (fields["ports"], fields["status"])
 
     def gateway_address(self, value: Any, path: str) -> Any:
         """ztunnel's GatewayAddress: a "network/ip" or "namespace/hostname" destination and a port."""
         if value is None:
             return None
-        fields = self.record(value, path, {
-            "destination": _Field("destination", self.scalar(_string), required=True),
-            "hboneMtlsPort": _Field("port", self.scalar(_port_or_zero), required=True),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "destination": _Field("destination", self.scalar(_string), required=True),
+                "hboneMtlsPort": _Field("port", self.scalar(_port_or_zero), required=True),
+            },
+        )
         return _INVALID if fields is None else fields
 
     def weighted_waypoint(self, value: Any, path: str) -> Any:
-        fields = self.record(value, path, {
-            "destination": _Field("destination", _Reader.gateway_address, required=True),
-            "weight": _Field("weight", self.scalar(_count), required=True),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "destination": _Field("destination", _Reader.gateway_address, required=True),
+                "weight": _Field("weight", self.scalar(_count), required=True),
+            },
+        )
         return _INVALID if fields is None else fields
 
     def application_tunnel(self, value: Any, path: str) -> Any:
         if value is None:
             return None
-        fields = self.record(value, path, {
-            "protocol": _Field("protocol", self.scalar(_enum("NONE", "PROXY")), required=True),
-            "port": _Field("port", self.scalar(_optional_port)),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "protocol": _Field("protocol", self.scalar(_enum("NONE", "PROXY")), required=True),
+                "port": _Field("port", self.scalar(_optional_port)),
+            },
+        )
         return _INVALID if fields is None else fields
 
     def locality(self, value: Any, path: str) -> Any:
         s = self.scalar
-        fields = self.record(value, path, {
-            "region": _Field("region", s(_string), required=True),
-            "zone": _Field("zone", s(_string), required=True),
-            "subzone": _Field("subzone", s(_string), required=True),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "region": _Field("region", s(_string), required=True),
+                "zone": _Field("zone", s(_string), required=True),
+                "subzone": _Field("subzone", s(_string), required=True),
+            },
+        )
         return _INVALID if fields is None else fields
 
     def load_balancer(self, value: Any, path: str) -> Any:
         if value is None:
             return None
         s = self.scalar
-        fields = self.record(value, path, {
-            "routingPreferences": _Field("routing", self.list_of(
-                s(_enum("Region", "Zone", "Subzone", "Node", "Cluster", "Network"))), required=True),
-            "mode": _Field("mode", s(_enum("Standard", "Strict", "Failover", "Passthrough")), required=True),
-            "healthPolicy": _Field("health", s(_enum("OnlyHealthy", "AllowAll")), required=True),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "routingPreferences": _Field(
+                    "routing",
+                    self.list_of(s(_enum("Region", "Zone", "Subzone", "Node", "Cluster", "Network"))),
+                    required=True,
+                ),
+                "mode": _Field("mode", s(_enum("Standard", "Strict", "Failover", "Passthrough")), required=True),
+                "healthPolicy": _Field("health", s(_enum("OnlyHealthy", "AllowAll")), required=True),
+            },
+        )
         return _INVALID if fields is None else fields
 
     def policy(self, value: Any, path: str) -> Policy | object:
         s = self.scalar
         match = _Reader.match
-        fields = self.record(value, path, {
-            "name": _Field("name", s(_nonempty_string), required=True),
-            "namespace": _Field("namespace", s(_nonempty_string), required=True),
-            "scope": _Field("scope", s(_enum("Global", "Namespace", "WorkloadSelector")), required=True),
-            "action": _Field("action", s(_enum("Allow", "Deny")), required=True),
-            "rules": _Field("rules", self.list_of(self.list_of(self.list_of(match))), required=True),
-            "dryRun": _Field("dry_run", s(_bool)),
-        })
+        fields = self.record(
+            value,
+            path,
+            {
+                "name": _Field("name", s(_nonempty_string), required=True),
+                "namespace": _Field("namespace", s(_nonempty_string), required=True),
+                "scope": _Field("scope", s(_enum("Global", "Namespace", "WorkloadSelector")), required=True),
+                "action": _Field("action", s(_enum("Allow", "Deny")), required=True),
+                "rules": _Field("rules", self.list_of(self.list_of(self.list_of(match))), required=True),
+                "dryRun": _Field("dry_run", s(_bool)),
+            },
+        )
         return _INVALID if fields is None else Policy(**fields)
 
     def match(self, value: Any, path: str) -> Match | object:
@@ -688,16 +752,22 @@ class _CrossChecks:
         self.warning = warning
         self._derived_uids = derived_uids
 
-    def __call__(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
-                 policies: tuple[Policy, ...]) -> tuple[tuple[Workload, ...], tuple[Service, ...], tuple[Policy, ...]]:
+    def __call__(
+        self, workloads: tuple[Workload, ...], services: tuple[Service, ...], policies: tuple[Policy, ...]
+    ) -> tuple[tuple[Workload, ...], tuple[Service, ...], tuple[Policy, ...]]:
         # The same rule as Mesh and the xDS client: only these keys are unique (model.unique_key).
-        workloads = self._last_wins(workloads, "workloads", unique_key, lambda w, i: (
-            f"duplicate uid {w.uid!r}" + (" (uid not set: made from clusterId, namespace and name)"
-                                          if id(w) in self._derived_uids else "")), "uid")
-        services = self._last_wins(services, "services", unique_key,
-                                   lambda s, i: f"duplicate service {s.key!r}")
-        policies = self._last_wins(policies, "policies", unique_key,
-                                   lambda p, i: f"duplicate policy {p.key!r}")
+        workloads = self._last_wins(
+            workloads,
+            "workloads",
+            unique_key,
+            lambda w, i: (
+                f"duplicate uid {w.uid!r}"
+                + (" (uid not set: made from clusterId, namespace and name)" if id(w) in self._derived_uids else "")
+            ),
+            "uid",
+        )
+        services = self._last_wins(services, "services", unique_key, lambda s, i: f"duplicate service {s.key!r}")
+        policies = self._last_wins(policies, "policies", unique_key, lambda p, i: f"duplicate policy {p.key!r}")
         self._shared_addresses(workloads, services)
         self._references(workloads, services, policies)
         return workloads, services, policies
@@ -707,49 +777,66 @@ class _CrossChecks:
         for i, w in enumerate(workloads):
             for j, ip in enumerate(() if w.network_mode == "HostNetwork" else w.workload_ips):
                 if ip in ips:
-                    self.warning(f"workloads[{i}].workloadIps[{j}]",
-                                 f"{ip} is also the address of {ips[ip]}; as in ztunnel, a connection from it is "
-                                 "attributed to one of them: a pod (uid with \"//Pod/\") first, then HBONE, else the last")
+                    self.warning(
+                        f"workloads[{i}].workloadIps[{j}]",
+                        f"{ip} is also the address of {ips[ip]}; as in ztunnel, a connection from it is "
+                        'attributed to one of them: a pod (uid with "//Pod/") first, then HBONE, else the last',
+                    )
                 ips.setdefault(ip, f"workload {w.uid!r}")
         vips: dict[Any, dict[str, str]] = {}  # VIP -> namespace -> the service that has it there
         for i, svc in enumerate(services):
             for j, (_network, ip) in enumerate(svc.vips):
                 if ip in ips:
-                    self.warning(f"services[{i}].vips[{j}]",
-                                 f"{ip} is also the address of {ips[ip]}; as in ztunnel, connections to it go to "
-                                 "the service")
+                    self.warning(
+                        f"services[{i}].vips[{j}]",
+                        f"{ip} is also the address of {ips[ip]}; as in ztunnel, connections to it go to the service",
+                    )
                 owners = vips.setdefault(ip, {})
                 if svc.namespace in owners:
-                    self.warning(f"services[{i}].vips[{j}]",
-                                 f"{ip} is also a VIP of {owners[svc.namespace]} in the same namespace; as in ztunnel, "
-                                 "this later service takes it")
+                    self.warning(
+                        f"services[{i}].vips[{j}]",
+                        f"{ip} is also a VIP of {owners[svc.namespace]} in the same namespace; as in ztunnel, "
+                        "this later service takes it",
+                    )
                 owners[svc.namespace] = f"service {svc.key!r}"
 
-    def _references(self, workloads: tuple[Workload, ...], services: tuple[Service, ...],
-                    policies: tuple[Policy, ...]) -> None:
+    def _references(
+        self, workloads: tuple[Workload, ...], services: tuple[Service, ...], policies: tuple[Policy, ...]
+    ) -> None:
         service_keys = {svc.key for svc in services}
         policy_keys = {p.key for p in policies}
         for i, w in enumerate(workloads):
             for key in w.services:
                 if key not in service_keys:
                     namespace, _, hostname = key.partition("/")
-                    self.warning(_map_key_path(f"workloads[{i}].services", key),
-                                 f"no service with namespace {namespace!r} and hostname {hostname!r} in services; "
-                                 "as in ztunnel, this has no effect")
+                    self.warning(
+                        _map_key_path(f"workloads[{i}].services", key),
+                        f"no service with namespace {namespace!r} and hostname {hostname!r} in services; "
+                        "as in ztunnel, this has no effect",
+                    )
             for j, key in enumerate(w.authorization_policies):
                 if key not in policy_keys:
-                    self.warning(f"workloads[{i}].authorizationPolicies[{j}]",
-                                 f"no policy {key!r} in policies; as in ztunnel, it selects nothing")
+                    self.warning(
+                        f"workloads[{i}].authorizationPolicies[{j}]",
+                        f"no policy {key!r} in policies; as in ztunnel, it selects nothing",
+                    )
 
-    def _last_wins(self, entries: tuple, section: str, key: Callable[[Any], Hashable],
-                   describe: Callable[[Any, int], str], field: str | None = None) -> tuple:
+    def _last_wins(
+        self,
+        entries: tuple,
+        section: str,
+        key: Callable[[Any], Hashable],
+        describe: Callable[[Any, int], str],
+        field: str | None = None,
+    ) -> tuple:
         """``entries`` without those a later entry with the same key replaces (ztunnel's rule), warned about."""
         last = {key(entry): i for i, entry in enumerate(entries)}
         for i, entry in enumerate(entries):
             if last[key(entry)] != i:
                 where = f"{section}[{i}]" + (f".{field}" if field else "")
-                self.warning(where, f"{describe(entry, i)}: {section}[{last[key(entry)]}] replaces this entry, "
-                                    "as in ztunnel")
+                self.warning(
+                    where, f"{describe(entry, i)}: {section}[{last[key(entry)]}] replaces this entry, as in ztunnel"
+                )
         return tuple(entry for i, entry in enumerate(entries) if last[key(entry)] == i)
 
 
@@ -782,10 +869,18 @@ class ConfigWatcher:
     _WRITTEN = inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO
     _MASK = _WRITING | _WRITTEN
 
-    def __init__(self, path: str | os.PathLike[str], on_change: Callable[[Mesh], Any],
-                 on_error: Callable[[ConfigError], Any], reactor: Any = None, *,
-                 current: Mesh | None = None, delay: float = 0.1, writer_timeout: float = 2.0,
-                 empty_grace: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_change: Callable[[Mesh], Any],
+        on_error: Callable[[ConfigError], Any],
+        reactor: Any = None,
+        *,
+        current: Mesh | None = None,
+        delay: float = 0.1,
+        writer_timeout: float = 2.0,
+        empty_grace: float = 1.0,
+    ) -> None:
         if reactor is None:
             from twisted.internet import reactor
         self.path = os.fspath(path)

@@ -33,10 +33,15 @@ class ConfigDump:
             "config_source": self.config_source,
             "workloads": [_workload_dump(w, w.uid in local) for w in (*mesh.workloads, *undiscovered)],
             "services": [_service_dump(s, mesh) for s in mesh.services],
-            "policies": [{"name": p.name, "namespace": p.namespace, "scope": p.scope, "action": p.action} for p in mesh.policies],
+            "policies": [
+                {"name": p.name, "namespace": p.namespace, "scope": p.scope, "action": p.action} for p in mesh.policies
+            ],
             "pool": self.node.outbound.pool.snapshot(),
             "inbound": [
-                {"workload": listeners.workload.name, "connections": len(self.view.inbound_connections(listeners.workload))}
+                {
+                    "workload": listeners.workload.name,
+                    "connections": len(self.view.inbound_connections(listeners.workload)),
+                }
                 for listeners in self.node.listeners.values()
             ],
             "certificates": [_certificate_dump(c) for c in self.node.context.certificates.all()],
@@ -80,7 +85,10 @@ def _service_dump(service, mesh) -> dict:
         ports = workload.services.get(service.key)
         if ports is not None and (workload.healthy or service.health_policy == "AllowAll"):
             endpoints[workload.uid] = {
-                "workloadUid": workload.uid, "port": {str(k): v for k, v in ports.items()}, "status": workload.status}
+                "workloadUid": workload.uid,
+                "port": {str(k): v for k, v in ports.items()},
+                "status": workload.status,
+            }
     return {
         "name": service.name,
         "namespace": service.namespace,

@@ -92,7 +92,9 @@ class ListenerService(StreamServerEndpointService):
     address and purpose.
     """
 
-    def __init__(self, endpoint: IStreamServerEndpoint, factory, *, purpose: str = "listener", option: str | None = None):
+    def __init__(
+        self, endpoint: IStreamServerEndpoint, factory, *, purpose: str = "listener", option: str | None = None
+    ):
         super().__init__(endpoint, factory)
         self.purpose = purpose
         self.option = option

@@ -13,8 +13,7 @@ class IPipeEnd(IPushProducer):
     """
 
     finished = Attribute(
-        "Deferred that fires with an outcome string ('closed', 'reset', ...) "
-        "once both directions of this end are done."
+        "Deferred that fires with an outcome string ('closed', 'reset', ...) once both directions of this end are done."
     )
     bytes_received = Attribute("Bytes received from this end's remote side.")
     bytes_sent = Attribute("Bytes sent to this end's remote side.")

@@ -15,7 +15,9 @@ from ztwisted.sockets import log_listening
 class WorkloadListeners:
     """Inbound on each of a workload's IPs (15008, 15006), and in a pod also outbound (15001)."""
 
-    def __init__(self, context: ProxyContext, outbound: Outbound, workload: Workload, network: HostNetwork | PodNetwork):
+    def __init__(
+        self, context: ProxyContext, outbound: Outbound, workload: Workload, network: HostNetwork | PodNetwork
+    ):
         self.workload = workload
         self.network = network
         self.hbone = InboundHBONE(context, workload, network)

@@ -29,9 +29,21 @@ ACCESS_MESSAGE = "connection complete"
 
 # ztunnel's access-log fields, in its order.
 ACCESS_FIELDS = (
-    "src.addr", "src.workload", "src.namespace", "src.identity",
-    "dst.addr", "dst.hbone_addr", "dst.service", "dst.workload", "dst.namespace", "dst.identity",
-    "direction", "bytes_sent", "bytes_recv", "duration", "error",
+    "src.addr",
+    "src.workload",
+    "src.namespace",
+    "src.identity",
+    "dst.addr",
+    "dst.hbone_addr",
+    "dst.service",
+    "dst.workload",
+    "dst.namespace",
+    "dst.identity",
+    "direction",
+    "bytes_sent",
+    "bytes_recv",
+    "duration",
+    "error",
 )
 
 _CORE_KEYS = ("time", "level", "scope", "message", "error")
@@ -147,7 +159,7 @@ def _field_name(name: str) -> str:
     """``src_addr`` -> ``src.addr``, so callers can pass plain keyword arguments."""
     for prefix in ("src_", "dst_"):
         if name.startswith(prefix):
-            return prefix[:-1] + "." + name[len(prefix):]
+            return prefix[:-1] + "." + name[len(prefix) :]
     return name
 
 

@@ -91,9 +91,7 @@ class ConnectionLabels:
             source_principal=None if source_identity is None else str(source_identity),
             destination_workload=_workload_label(destination),
             destination_workload_namespace=getattr(destination, "namespace", None),
-            destination_principal=(
-                None if destination_identity is None else str(destination_identity)
-            ),
+            destination_principal=(None if destination_identity is None else str(destination_identity)),
             destination_service=getattr(service, "hostname", None),
             response_flags=response_flags,
             connection_security_policy="mutual_tls" if mutual_tls else UNKNOWN,
@@ -144,35 +142,38 @@ class Metrics:
         self._traffic_children: dict[ConnectionLabels, _TrafficChildren] = {}
 
         self.connections_opened = self.counter(
-            "istio_tcp_connections_opened_total",
-            "The total number of TCP connections opened", TRAFFIC_LABELS)
+            "istio_tcp_connections_opened_total", "The total number of TCP connections opened", TRAFFIC_LABELS
+        )
         self.connections_closed = self.counter(
-            "istio_tcp_connections_closed_total",
-            "The total number of TCP connections closed", TRAFFIC_LABELS)
+            "istio_tcp_connections_closed_total", "The total number of TCP connections closed", TRAFFIC_LABELS
+        )
         self.received_bytes = self.counter(
             "istio_tcp_received_bytes_total",
             "The size of total bytes received during request in case of a TCP connection",
-            TRAFFIC_LABELS)
+            TRAFFIC_LABELS,
+        )
         self.sent_bytes = self.counter(
             "istio_tcp_sent_bytes_total",
             "The size of total bytes sent during response in case of a TCP connection",
-            TRAFFIC_LABELS)
+            TRAFFIC_LABELS,
+        )
 
-        self.config_reloads = self.counter(
-            "ztwisted_config_reloads_total", "Configuration reloads applied")
+        self.config_reloads = self.counter("ztwisted_config_reloads_total", "Configuration reloads applied")
         self.config_reload_errors = self.counter(
-            "ztwisted_config_reload_errors_total",
-            "Configuration reloads rejected (the previous configuration stays)")
+            "ztwisted_config_reload_errors_total", "Configuration reloads rejected (the previous configuration stays)"
+        )
         self.hbone_connections = self.gauge(
-            "ztwisted_hbone_connections", "Open HBONE (HTTP/2 over mTLS) connections",
-            ("direction",))
+            "ztwisted_hbone_connections", "Open HBONE (HTTP/2 over mTLS) connections", ("direction",)
+        )
         self.pool_connections_opened = self.counter(
-            "ztwisted_pool_connections_opened_total",
-            "HBONE connections the outbound pool opened")
+            "ztwisted_pool_connections_opened_total", "HBONE connections the outbound pool opened"
+        )
         self.tls_handshake_failures = self.counter(
-            "ztwisted_tls_handshake_failures_total", "Failed TLS handshakes", ("reason",))
+            "ztwisted_tls_handshake_failures_total", "Failed TLS handshakes", ("reason",)
+        )
         self.socks5_errors = self.counter(
-            "ztwisted_socks5_errors_total", "SOCKS5 clients refused or failed", ("reason",))
+            "ztwisted_socks5_errors_total", "SOCKS5 clients refused or failed", ("reason",)
+        )
 
     # -- istio_tcp_* helpers -------------------------------------------------
 
@@ -224,14 +225,16 @@ class Metrics:
         return self._get_or_create(Gauge, name, doc, labels)
 
     def histogram(
-        self, name: str, doc: str, labels: Iterable[str] = (),
+        self,
+        name: str,
+        doc: str,
+        labels: Iterable[str] = (),
         buckets: Iterable[float] | None = None,
     ) -> Histogram:
         extra = {} if buckets is None else {"buckets": tuple(buckets)}
         return self._get_or_create(Histogram, name, doc, labels, **extra)
 
-    def _get_or_create(self, kind: type, name: str, doc: str, labels: Iterable[str],
-                       **extra: Any) -> Any:
+    def _get_or_create(self, kind: type, name: str, doc: str, labels: Iterable[str], **extra: Any) -> Any:
         labelnames = tuple(labels)
         existing = self._metrics.get(name)
         if existing is not None:

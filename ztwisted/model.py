@@ -109,9 +109,7 @@ class Workload:
     node: str = ""
     network: str = ""
     # "namespace/hostname" -> {service port: target port}
-    services: FrozenMap[str, FrozenMap[int, int]] = attrs.field(
-        factory=FrozenMap, converter=_service_port_maps
-    )
+    services: FrozenMap[str, FrozenMap[int, int]] = attrs.field(factory=FrozenMap, converter=_service_port_maps)
     trust_domain: str = DEFAULT_TRUST_DOMAIN
     canonical_name: str = ""
     canonical_revision: str = ""
@@ -162,8 +160,9 @@ class Service:
     health_policy: str = "OnlyHealthy"
     # endpoints listed on the service itself: workload uid -> (service port -> target port, status)
     endpoints: FrozenMap[str, tuple[FrozenMap[int, int], str]] = attrs.field(
-        factory=FrozenMap, converter=lambda value: FrozenMap(
-            (uid, (_port_map(ports), status)) for uid, (ports, status) in value.items()))
+        factory=FrozenMap,
+        converter=lambda value: FrozenMap((uid, (_port_map(ports), status)) for uid, (ports, status) in value.items()),
+    )
 
     @property
     def key(self) -> str:
@@ -310,7 +309,7 @@ class Policy:
 
     @property
     def key(self) -> str:
-        """"namespace/name", the key workloads' `authorizationPolicies` use."""
+        """ "namespace/name", the key workloads' `authorizationPolicies` use."""
         return f"{self.namespace}/{self.name}"
 
 
@@ -433,8 +432,9 @@ class Mesh:
         """The service at VIP `ip`; several may share it: the best for a client in `client_namespace`."""
         return best_service(self._by_vip.get(_ip(ip), ()), client_namespace)
 
-    def service_by_hostname(self, hostname: str, namespace: str | None = None,
-                            client_namespace: str | None = None) -> Service | None:
+    def service_by_hostname(
+        self, hostname: str, namespace: str | None = None, client_namespace: str | None = None
+    ) -> Service | None:
         """The service with that hostname in `namespace`, if given; else the best for a client in
         `client_namespace` among those sharing the hostname (see :func:`best_service`)."""
         if namespace is not None:
@@ -451,8 +451,7 @@ class Mesh:
         A ``HostNetwork`` workload is never one: its addresses are its node's,
         and it is outside the mesh's capture (as in ztunnel).
         """
-        return tuple(w for w in self.workloads
-                     if (not node or w.node == node) and w.network_mode != "HostNetwork")
+        return tuple(w for w in self.workloads if (not node or w.node == node) and w.network_mode != "HostNetwork")
 
     def endpoints(self, service: Service, service_port: int | None = None) -> list[tuple[Workload, int]]:
         """Healthy workloads behind `service`, each with its target port.
@@ -497,13 +496,19 @@ class Mesh:
             if service.load_balancer_mode == "Passthrough":
                 return Destination("passthrough", ip, port, service=service)
             if port not in service.ports:
-                return Destination("unroutable", ip, port, service=service,
-                                   reason=f"service {service.hostname} has no port {port}")
+                return Destination(
+                    "unroutable", ip, port, service=service, reason=f"service {service.hostname} has no port {port}"
+                )
             # ztunnel weighs endpoints by capacity: one with capacity 0 is never chosen.
             endpoints = [e for e in self.endpoints(service, port) if e[0].capacity > 0]
             if not endpoints:
-                return Destination("unroutable", ip, port, service=service,
-                                   reason=f"service {service.hostname} has no healthy endpoints")
+                return Destination(
+                    "unroutable",
+                    ip,
+                    port,
+                    service=service,
+                    reason=f"service {service.hostname} has no healthy endpoints",
+                )
             workload, target_port = _weighted(endpoints, choice)
             return Destination("service", workload.ip_for(ip), target_port, workload=workload, service=service)
         workload = self._by_ip.get(ip)
@@ -512,8 +517,9 @@ class Mesh:
         return Destination("passthrough", ip, port)
 
 
-def _weighted(endpoints: Sequence[tuple[Workload, int]],
-              choice: Callable[[Sequence[Any]], Any]) -> tuple[Workload, int]:
+def _weighted(
+    endpoints: Sequence[tuple[Workload, int]], choice: Callable[[Sequence[Any]], Any]
+) -> tuple[Workload, int]:
     """One endpoint, with a chance in proportion to its workload's capacity (ztunnel's rule)."""
     capacities = [workload.capacity for workload, _ in endpoints]
     if len(set(capacities)) == 1:
@@ -530,8 +536,7 @@ def diff(old: Mesh, new: Mesh) -> MeshDiff:
         removed=tuple(w for uid, w in old_by_uid.items() if uid not in new_by_uid),
         added=tuple(w for uid, w in new_by_uid.items() if uid not in old_by_uid),
         changed=tuple(
-            (w, new_by_uid[uid]) for uid, w in old_by_uid.items()
-            if uid in new_by_uid and new_by_uid[uid] != w
+            (w, new_by_uid[uid]) for uid, w in old_by_uid.items() if uid in new_by_uid and new_by_uid[uid] != w
         ),
         services_changed=old.services != new.services,
         policies_changed=old.policies != new.policies,

@@ -125,7 +125,9 @@ class Netns:
             nstype = fcntl.ioctl(fd, NS_GET_NSTYPE)
         except OSError as exc:
             if exc.errno not in (errno.ENOTTY, errno.EINVAL):
-                raise NotANetworkNamespace(f"{self.name} is not a network namespace: ioctl NS_GET_NSTYPE: {exc}") from exc
+                raise NotANetworkNamespace(
+                    f"{self.name} is not a network namespace: ioctl NS_GET_NSTYPE: {exc}"
+                ) from exc
             try:
                 magic = _fstatfs_type(fd)
             except OSError as stat_exc:
@@ -230,8 +232,14 @@ def run_in_netns(netns: Netns, fn: Callable[[], T], *, reactor: Any = None) -> d
 
 
 def listening_socket_in(
-    netns: Netns, ip: str, port: int, *, reuse_port: bool = True, mark: int | None = None,
-    backlog: int = 1024, reactor: Any = None,
+    netns: Netns,
+    ip: str,
+    port: int,
+    *,
+    reuse_port: bool = True,
+    mark: int | None = None,
+    backlog: int = 1024,
+    reactor: Any = None,
 ) -> defer.Deferred[socket.socket]:
     """A bound, listening, non-blocking TCP socket inside ``netns``.
 
@@ -245,14 +253,23 @@ def listening_socket_in(
 
 
 def connecting_socket_in(
-    netns: Netns, ip: str, *, source_ip: str | None = None, source_port: int = 0,
-    mark: int | None = None, reactor: Any = None,
+    netns: Netns,
+    ip: str,
+    *,
+    source_ip: str | None = None,
+    source_port: int = 0,
+    mark: int | None = None,
+    reactor: Any = None,
 ) -> defer.Deferred[socket.socket]:
     """A non-blocking TCP socket for reaching ``ip``, created (and bound) inside ``netns``.
 
     ``ip`` only picks the address family; connect with :func:`connect_socket`.
     """
-    return run_in_netns(netns, lambda: sockets.client_socket(ip, source_ip=source_ip, source_port=source_port, mark=mark), reactor=reactor)
+    return run_in_netns(
+        netns,
+        lambda: sockets.client_socket(ip, source_ip=source_ip, source_port=source_port, mark=mark),
+        reactor=reactor,
+    )
 
 
 # Kept importable from here for callers that connect sockets made in a namespace.

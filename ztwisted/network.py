@@ -30,7 +30,9 @@ class HostNetwork:
     def listen(self, ip: str, port: int, factory) -> defer.Deferred:
         return ReusePortEndpoint(self.reactor, port, ip, mark=self.mark).listen(factory)
 
-    def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
+    def connect(
+        self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0
+    ) -> defer.Deferred:
         """Connect; fires with the protocol ``factory`` built."""
         try:
             sock = client_socket(ip, source_ip=source_ip, mark=self.mark)
@@ -56,9 +58,13 @@ class PodNetwork:
         run_in_netns(self.netns, allow_accept_queue_migration, reactor=self.reactor).addErrback(lambda failure: None)
         return ReusePortEndpoint(self.reactor, port, ip, mark=self.mark, netns=self.netns).listen(factory)
 
-    def connect(self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0) -> defer.Deferred:
+    def connect(
+        self, ip: str, port: int, factory, *, source_ip: str | None = None, timeout: float = 10.0
+    ) -> defer.Deferred:
         created = connecting_socket_in(self.netns, ip, source_ip=source_ip, mark=self.mark, reactor=self.reactor)
-        return created.addCallback(lambda sock: connect_socket(self.reactor, sock, (ip, port), factory, timeout=timeout))
+        return created.addCallback(
+            lambda sock: connect_socket(self.reactor, sock, (ip, port), factory, timeout=timeout)
+        )
 
     def close(self) -> None:
         self.netns.close()

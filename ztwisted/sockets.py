@@ -21,7 +21,9 @@ log = Logger()
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same number
 
 
-def listening_socket(ip: str, port: int, *, reuse_port: bool = True, backlog: int = 1024, mark: int | None = None) -> socket.socket:
+def listening_socket(
+    ip: str, port: int, *, reuse_port: bool = True, backlog: int = 1024, mark: int | None = None
+) -> socket.socket:
     """A bound, listening, non-blocking TCP socket.
 
     SO_REUSEPORT lets a new proxy process share the ports of the running one
@@ -116,7 +118,9 @@ def factory_for(protocol) -> Factory:
 IP_BIND_ADDRESS_NO_PORT = 24  # linux/in.h
 
 
-def client_socket(ip: str, *, source_ip: str | None = None, source_port: int = 0, mark: int | None = None) -> socket.socket:
+def client_socket(
+    ip: str, *, source_ip: str | None = None, source_port: int = 0, mark: int | None = None
+) -> socket.socket:
     """A non-blocking TCP socket for reaching ``ip``, bound to ``source_ip`` and marked if asked.
 
     With a source address but no port, the port is chosen at connect time
@@ -210,8 +214,9 @@ class _CapturingFactory:
         return self.protocol
 
 
-def connect_socket(reactor: Any, sock: socket.socket, address: tuple[str, int], factory: Any,
-                   *, timeout: float = 10.0) -> defer.Deferred[Any]:
+def connect_socket(
+    reactor: Any, sock: socket.socket, address: tuple[str, int], factory: Any, *, timeout: float = 10.0
+) -> defer.Deferred[Any]:
     """Connect a non-blocking ``sock`` without blocking, then adopt it: fires with the protocol.
 
     ``sock`` is closed in every case (the reactor holds its own duplicate).

@@ -69,7 +69,12 @@ class Options(usage.Options):
     optParameters = [
         ["config", "c", None, "ztunnel local config YAML (LOCAL_XDS_PATH format); reloaded when it changes."],
         ["node", None, None, "Node name: workloads whose `node` equals it are local (default: every workload)."],
-        ["state-dir", None, None, "Directory for state such as the development CA (default: $XDG_STATE_HOME/ztwisted)."],
+        [
+            "state-dir",
+            None,
+            None,
+            "Directory for state such as the development CA (default: $XDG_STATE_HOME/ztwisted).",
+        ],
         ["ca-dir", None, None, "Istio plug-in CA directory (ca-cert.pem, ca-key.pem, root-cert.pem, cert-chain.pem)."],
         ["socks5", None, "tcp:15080:interface=127.0.0.1", "SOCKS5 outbound listener (endpoint description)."],
         ["outbound", None, "tcp:15001", "Redirected outbound listener (endpoint description)."],
@@ -79,13 +84,41 @@ class Options(usage.Options):
         ["hbone-port", None, 15008, "HBONE inbound port, bound on each local workload IP.", _port],
         ["inbound-plaintext-port", None, 15006, "Plaintext inbound port, bound on each local workload IP.", _port],
         ["log-format", None, "text", "Log format: json or text."],
-        ["drain-timeout", None, None, "Seconds to wait for connections when the proxy stops "
-         "(default: from TERMINATION_GRACE_PERIOD_SECONDS as ztunnel does, else 5)."],
+        [
+            "drain-timeout",
+            None,
+            None,
+            "Seconds to wait for connections when the proxy stops "
+            "(default: from TERMINATION_GRACE_PERIOD_SECONDS as ztunnel does, else 5).",
+        ],
         ["connect-timeout", None, 10.0, "Seconds to connect to a peer (TCP and TLS).", float],
-        ["pod-drain-timeout", None, 3.0, "Seconds a pod-removal drain may take (keep it under the node agent's Ack timeout).", float],
-        ["inpod-uds", None, None, f"In-pod mode: the node agent's ZDS socket (default when --inpod: {DEFAULT_SOCKET_PATH})."],
-        ["packet-mark", None, None, "SO_MARK on every socket the proxy opens (default: 1337 in in-pod mode, none otherwise).", int],
-        ["random-seed", None, None, "Seed the proxy's random choices (endpoint selection, backoff jitter): for reproducible labs.", int],
+        [
+            "pod-drain-timeout",
+            None,
+            3.0,
+            "Seconds a pod-removal drain may take (keep it under the node agent's Ack timeout).",
+            float,
+        ],
+        [
+            "inpod-uds",
+            None,
+            None,
+            f"In-pod mode: the node agent's ZDS socket (default when --inpod: {DEFAULT_SOCKET_PATH}).",
+        ],
+        [
+            "packet-mark",
+            None,
+            None,
+            "SO_MARK on every socket the proxy opens (default: 1337 in in-pod mode, none otherwise).",
+            int,
+        ],
+        [
+            "random-seed",
+            None,
+            None,
+            "Seed the proxy's random choices (endpoint selection, backoff jitter): for reproducible labs.",
+            int,
+        ],
         ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
         ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
         # xDS and CA client settings (ztunnel's environment variable names): ztwisted/xds/settings.py
@@ -278,8 +311,12 @@ def _twistd_logs_to_stdout(config: Options) -> bool:
     twistd = getattr(config, "parent", None)
     if twistd is None:
         return True
-    return bool(twistd.get("nodaemon")) and twistd.get("logfile") in (None, "-") and not twistd.get("syslog") \
+    return (
+        bool(twistd.get("nodaemon"))
+        and twistd.get("logfile") in (None, "-")
+        and not twistd.get("syslog")
         and not twistd.get("logger")
+    )
 
 
 class _ConfigWatchService(service.Service):

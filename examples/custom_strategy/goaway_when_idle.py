@@ -24,7 +24,9 @@ GOAWAY_SENT, WAITING, NOTHING_TO_DO = "goaway-sent", "waiting", "nothing-to-do"
 @implementer(IPlugin, IDrainStrategy)
 class GoawayWhenIdle:
     name = "goaway-when-idle"
-    description = "when a pod starts terminating, graceful GOAWAY on each of its inbound connections once it carries no tunnel"
+    description = (
+        "when a pod starts terminating, graceful GOAWAY on each of its inbound connections once it carries no tunnel"
+    )
 
     def __init__(self) -> None:
         self._watches: dict[str, IdleWatch] = {}  # by workload uid

@@ -38,8 +38,22 @@ class TwoNodes:
         self.config = tmp_path / "mesh.yaml"
         self.config.write_text(mesh_text)
         state = tmp_path / "state"
-        self.a = NodeProcess(tmp_path / "a", name="node-a", control_ip=NODE_A_CONTROL_IP, config=self.config, node="node-a", state_dir=state)
-        self.b = NodeProcess(tmp_path / "b", name="node-b", control_ip=NODE_B_CONTROL_IP, config=self.config, node="node-b", state_dir=state)
+        self.a = NodeProcess(
+            tmp_path / "a",
+            name="node-a",
+            control_ip=NODE_A_CONTROL_IP,
+            config=self.config,
+            node="node-a",
+            state_dir=state,
+        )
+        self.b = NodeProcess(
+            tmp_path / "b",
+            name="node-b",
+            control_ip=NODE_B_CONTROL_IP,
+            config=self.config,
+            node="node-b",
+            state_dir=state,
+        )
 
     def start(self):
         self.b.start()

@@ -45,7 +45,6 @@ CLIENT_ID = SpiffeId("cluster.local", "default", "client")
 ECHO_HOST = "echo.default.svc.cluster.local"
 
 
-
 # -- the recording HBONE peer ----------------------------------------------------------
 
 
@@ -201,7 +200,9 @@ class HbonePeer:
         return self.of_kind("goaway")
 
     def wait_for(self, kind: str, count: int = 1, timeout: float = 10.0) -> list[WireEvent]:
-        return wait_until(lambda: (found := self.of_kind(kind)) and len(found) >= count and found, timeout, f"{count} {kind}")
+        return wait_until(
+            lambda: (found := self.of_kind(kind)) and len(found) >= count and found, timeout, f"{count} {kind}"
+        )
 
     def wait_closed(self, timeout: float = 10.0) -> str:
         if not self.closed.wait(timeout):
@@ -386,7 +387,9 @@ class HbonePeer:
             except OSError:
                 pass
 
-    def _record(self, kind: str, stream_id: int = 0, last_stream_id: int | None = None, error_code: int | None = None) -> None:
+    def _record(
+        self, kind: str, stream_id: int = 0, last_stream_id: int | None = None, error_code: int | None = None
+    ) -> None:
         with self._lock:
             self.events.append(WireEvent(time.monotonic(), kind, stream_id, last_stream_id, error_code))
 
@@ -437,7 +440,9 @@ def finish_tunnel(tunnel: PeerTunnel, size: int = 64 * 1024, timeout: float = 10
 class Nodes:
     """node-a and node-b, each with its own copy of the mesh file (so one can be edited alone)."""
 
-    def __init__(self, tmp_path: Path, *, a_args: tuple[str, ...] = (), b_args: tuple[str, ...] = (), mesh: str = TWO_NODE_MESH):
+    def __init__(
+        self, tmp_path: Path, *, a_args: tuple[str, ...] = (), b_args: tuple[str, ...] = (), mesh: str = TWO_NODE_MESH
+    ):
         self.tmp_path = Path(tmp_path)
         self.state = self.tmp_path / "state"
         self.a_config = self._write_config("a-config", mesh)
@@ -454,14 +459,24 @@ class Nodes:
 
     def node_a(self, args: tuple[str, ...] = (), workdir: str = "a") -> NodeProcess:
         return NodeProcess(
-            self.tmp_path / workdir, name="node-a", control_ip=NODE_A_CONTROL_IP, config=self.a_config,
-            node="node-a", state_dir=self.state, extra_args=args,
+            self.tmp_path / workdir,
+            name="node-a",
+            control_ip=NODE_A_CONTROL_IP,
+            config=self.a_config,
+            node="node-a",
+            state_dir=self.state,
+            extra_args=args,
         )
 
     def node_b(self, args: tuple[str, ...] = (), workdir: str = "b") -> NodeProcess:
         return NodeProcess(
-            self.tmp_path / workdir, name="node-b", control_ip=NODE_B_CONTROL_IP, config=self.b_config,
-            node="node-b", state_dir=self.state, extra_args=args,
+            self.tmp_path / workdir,
+            name="node-b",
+            control_ip=NODE_B_CONTROL_IP,
+            config=self.b_config,
+            node="node-b",
+            state_dir=self.state,
+            extra_args=args,
         )
 
     def start(self, a: bool = True) -> Nodes:
@@ -540,7 +555,15 @@ def config_without_workload(mesh: str, name: str) -> str:
 class ShortConnections:
     """Clients that keep opening short SOCKS5 connections, each a byte-exact 1-64 KB echo."""
 
-    def __init__(self, proxy: tuple[str, int], source_ip: str, host: str = ECHO_HOST, port: int = 80, clients: int = 3, seed: int = 0):
+    def __init__(
+        self,
+        proxy: tuple[str, int],
+        source_ip: str,
+        host: str = ECHO_HOST,
+        port: int = 80,
+        clients: int = 3,
+        seed: int = 0,
+    ):
         self.proxy = proxy
         self.source_ip = source_ip
         self.host = host
@@ -570,7 +593,11 @@ class ShortConnections:
             try:
                 with socks5_connect(self.proxy, self.source_ip, self.host, self.port, timeout=10) as sock:
                     echoed = echo_through(sock, payload, timeout=10)
-                outcome = None if echoed == payload else f"echo of {len(payload)} bytes came back as {len(echoed)} bytes, not equal"
+                outcome = (
+                    None
+                    if echoed == payload
+                    else f"echo of {len(payload)} bytes came back as {len(echoed)} bytes, not equal"
+                )
             except OSError as e:
                 outcome = f"{type(e).__name__}: {e}"
             with self._lock:
@@ -584,7 +611,15 @@ class ShortConnections:
 class LongTunnel:
     """One SOCKS5 connection that streams data continuously; the echo is checked by hash at the end."""
 
-    def __init__(self, proxy: tuple[str, int], source_ip: str, host: str = ECHO_HOST, port: int = 80, chunk: int = 16 * 1024, pause: float = 0.002):
+    def __init__(
+        self,
+        proxy: tuple[str, int],
+        source_ip: str,
+        host: str = ECHO_HOST,
+        port: int = 80,
+        chunk: int = 16 * 1024,
+        pause: float = 0.002,
+    ):
         self.sock = socks5_connect(proxy, source_ip, host, port, timeout=10)
         self.sock.settimeout(30)
         self.chunk = chunk
@@ -633,7 +668,11 @@ class LongTunnel:
         self._sender.join(timeout)
         self._reader.join(timeout)
         self.sock.close()
-        return self.error is None and self.sent == self.received and self._sent_hash.digest() == self._received_hash.digest()
+        return (
+            self.error is None
+            and self.sent == self.received
+            and self._sent_hash.digest() == self._received_hash.digest()
+        )
 
 
 # -- restart --------------------------------------------------------------------------
@@ -699,4 +738,3 @@ def restart_under_load(
         result.bytes_verified += load.bytes_verified
         result.failures.extend(load.failures[:20])
     return current, result
-

@@ -96,8 +96,20 @@ class Pod:
         self.network.created.append(self.netns)
         self.network.ip("-n", self.netns, "link", "set", "lo", "up")
         # Made inside the bridge namespace, its peer straight in the pod's: the host never sees either.
-        self.network.ip("-n", self.network.bridge_netns, "link", "add", self.peer, "type", "veth", "peer", "name", "eth0",
-                        "netns", self.netns)
+        self.network.ip(
+            "-n",
+            self.network.bridge_netns,
+            "link",
+            "add",
+            self.peer,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            self.netns,
+        )
         self.network.ip("-n", self.network.bridge_netns, "link", "set", self.peer, "master", BRIDGE, "up")
         prefix = POD_SUBNET.split("/")[1]
         self.network.ip("-n", self.netns, "addr", "add", f"{self.ip}/{prefix}", "dev", "eth0")
@@ -111,12 +123,43 @@ class Pod:
 
     def redirect_outbound(self, mark: int = PACKET_MARK, port: int = REDIRECT_PORT) -> None:
         """The pod's capture rule: outbound TCP, except to loopback and the proxy's own, to ``port``."""
-        self.run("iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "!", "-d", "127.0.0.0/8",
-                 "-m", "mark", "!", "--mark", str(mark), "-j", "REDIRECT", "--to-ports", str(port))
+        self.run(
+            "iptables",
+            "-w",
+            "-t",
+            "nat",
+            "-A",
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "!",
+            "-d",
+            "127.0.0.0/8",
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            str(mark),
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            str(port),
+        )
 
     def _inbound_redirect_rule(self, app_port: int, port: int) -> list[str]:
-        return ["PREROUTING", "-p", "tcp", "-i", "eth0", "--dport", str(app_port), "-j", "REDIRECT",
-                "--to-ports", str(port)]
+        return [
+            "PREROUTING",
+            "-p",
+            "tcp",
+            "-i",
+            "eth0",
+            "--dport",
+            str(app_port),
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            str(port),
+        ]
 
     def redirect_inbound(self, app_port: int = APP_PORT, port: int = PLAINTEXT_INBOUND_PORT) -> None:
         """Capture TCP arriving on ``eth0`` for ``app_port`` to ``port`` (plaintext inbound, 15006).
@@ -215,8 +258,14 @@ class AgentProcess:
 
     def start(self, timeout: float = 15.0) -> AgentProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        argv = [*agent_command(), "serve", "--socket", str(self.socket_path),
-                "--control", f"tcp:0:interface={self.host}"]
+        argv = [
+            *agent_command(),
+            "serve",
+            "--socket",
+            str(self.socket_path),
+            "--control",
+            f"tcp:0:interface={self.host}",
+        ]
         if self.manual_snapshot:
             argv.append("--manual-snapshot")
         self._log = open(self.log_path, "ab")
@@ -231,8 +280,12 @@ class AgentProcess:
 
     def cli(self, operation: str, *args: str, timeout: float = 30.0) -> tuple[int, dict]:
         """Run ``ztunnel-agent OPERATION ... --control`` and return (exit status, its JSON reply)."""
-        result = subprocess.run([*agent_command(), operation, *args, "--control", self.control],
-                                capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            [*agent_command(), operation, *args, "--control", self.control],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         try:
             reply = json.loads(result.stdout) if result.stdout.strip() else {}
         except ValueError:
@@ -242,12 +295,27 @@ class AgentProcess:
         return result.returncode, reply
 
     def cli_background(self, operation: str, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([*agent_command(), operation, *args, "--control", self.control],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [*agent_command(), operation, *args, "--control", self.control],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def add(self, pod: Pod) -> tuple[int, dict]:
-        return self.cli("add", "--uid", pod.uid, "--name", pod.name, "--namespace", pod.namespace,
-                        "--service-account", pod.service_account, "--netns", pod.netns_path)
+        return self.cli(
+            "add",
+            "--uid",
+            pod.uid,
+            "--name",
+            pod.name,
+            "--namespace",
+            pod.namespace,
+            "--service-account",
+            pod.service_account,
+            "--netns",
+            pod.netns_path,
+        )
 
     def call(self, operation: str, body: dict | None = None) -> tuple[int, dict]:
         """One call of the control API from this process (what the CLI does, without its start-up time)."""
@@ -290,18 +358,33 @@ class InpodNode:
     Several proxies may share one agent (an upgrade): pass the first one's ``agent``.
     """
 
-    def __init__(self, workdir: Path, number: int, net: int, *, config: Path, state_dir: Path,
-                 extra_args: tuple[str, ...] = (), agent: AgentProcess | None = None,
-                 control_number: int | None = None, name: str | None = None):
+    def __init__(
+        self,
+        workdir: Path,
+        number: int,
+        net: int,
+        *,
+        config: Path,
+        state_dir: Path,
+        extra_args: tuple[str, ...] = (),
+        agent: AgentProcess | None = None,
+        control_number: int | None = None,
+        name: str | None = None,
+    ):
         self.workdir = Path(workdir)
         self.number = number
         self.name = name or f"node-{number}"
         self.own_agent = agent is None
-        self.agent = agent or AgentProcess(self.workdir, f"agent-{number}", self.workdir / f"node{number}.sock",
-                                           control_ip(net, number))
+        self.agent = agent or AgentProcess(
+            self.workdir, f"agent-{number}", self.workdir / f"node{number}.sock", control_ip(net, number)
+        )
         self.proxy = NodeProcess(
-            self.workdir / self.name, name=self.name, control_ip=control_ip(net, control_number or number),
-            config=config, node=f"node-{number}", state_dir=state_dir,
+            self.workdir / self.name,
+            name=self.name,
+            control_ip=control_ip(net, control_number or number),
+            config=config,
+            node=f"node-{number}",
+            state_dir=state_dir,
             extra_args=("--inpod-uds", str(self.agent.socket_path), *extra_args),
         )
 
@@ -337,8 +420,9 @@ class App:
     def __init__(self, pod: Pod, mode: str, *args: str):
         argv = pod.exec_argv(sys.executable, "-m", "tests.integration.inpod_support", mode, *args)
         self.mode = mode
-        self.process = subprocess.Popen(argv, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            argv, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read_lines, daemon=True).start()
 
@@ -444,8 +528,15 @@ def _roundtrip_main(ip: str, port: int, size: int) -> None:
     try:
         with socket.create_connection((ip, port), timeout=15) as sock:
             received = _exchange(sock, payload)
-        _emit({"event": "done", "exact": received == payload, "sent": size, "received": len(received),
-               "seconds": round(time.monotonic() - started, 3)})
+        _emit(
+            {
+                "event": "done",
+                "exact": received == payload,
+                "sent": size,
+                "received": len(received),
+                "seconds": round(time.monotonic() - started, 3),
+            }
+        )
     except OSError as exc:
         _emit({"event": "done", "exact": False, "sent": size, "received": 0, "error": repr(exc)})
 
@@ -509,8 +600,16 @@ def _stream_main(ip: str, port: int, chunk: int, interval: float) -> None:
         error = f"send: {exc!r}"
     reader.join(30)
     sock.close()
-    _emit({"event": "done", "exact": error is None and bytes(received) == bytes(sent), "sent": len(sent),
-           "received": len(received), "error": error, "finished_at": time.monotonic()})
+    _emit(
+        {
+            "event": "done",
+            "exact": error is None and bytes(received) == bytes(sent),
+            "sent": len(sent),
+            "received": len(received),
+            "error": error,
+            "finished_at": time.monotonic(),
+        }
+    )
 
 
 def _loop_main(ip: str, port: int, pause: float) -> None:

@@ -121,4 +121,3 @@ class RawClient:
                     return frame
         except (ConnectionError, ssl.SSLError, OSError):
             return None
-

@@ -151,7 +151,9 @@ def test_client_certificate_from_another_trust_domain(nodes, still_serving, tmp_
     since = len(nodes.b.log_events())
     context = client_context(tmp_path, nodes.ca.issue(foreign), nodes.ca.roots_pem)
     assert tls_attempt(context).startswith("refused")
-    event = wait_for_log(nodes.b, message_has("client certificate", "no SPIFFE identity in trust domain 'cluster.local'"), since)
+    event = wait_for_log(
+        nodes.b, message_has("client certificate", "no SPIFFE identity in trust domain 'cluster.local'"), since
+    )
     assert str(foreign) in event["message"]
 
 
@@ -209,7 +211,9 @@ def test_server_with_the_wrong_identity_is_refused(nodes, still_serving, tmp_pat
     assert refused.value.code != 0x00
     # The proxy did reach the impostor, and broke off the handshake.
     assert impostor.handshakes and impostor.handshakes[0].startswith("failed"), impostor.handshakes
-    event = wait_for_log(nodes.a, message_has("server certificate identity", str(ECHO_ID), "is not one of the expected"), since)
+    event = wait_for_log(
+        nodes.a, message_has("server certificate identity", str(ECHO_ID), "is not one of the expected"), since
+    )
     assert "spiffe://cluster.local/ns/default/sa/elsewhere" in event["message"]
     assert not nodes.a.config_dump()["pool"] or all(
         entry["destination"] != f"{ELSEWHERE_IP}:15008" for entry in nodes.a.config_dump()["pool"]
@@ -287,8 +291,6 @@ def h2_status_open(tmp_path, nodes, authority: str) -> tuple[int | None, bool]:
                 if isinstance(event, h2.events.ResponseReceived):
                     return int(dict(event.headers)[":status"]), event.stream_ended is not None
             tls.sendall(conn.data_to_send())
-
-
 
 
 # -- SOCKS5 --------------------------------------------------------------------------

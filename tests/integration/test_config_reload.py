@@ -72,9 +72,13 @@ def test_reload_adds_and_removes_listeners_and_survives_bad_files(reloading_node
     assert "invalid YAML" in error["message"]
 
     # An unknown key: rejected with file, path to the field and message.
-    config.write_text(mesh_workloads(workload("first", FIRST_IP)).replace("protocol: HBONE", "protocol: HBONE\n  colour: blue"))
+    config.write_text(
+        mesh_workloads(workload("first", FIRST_IP)).replace("protocol: HBONE", "protocol: HBONE\n  colour: blue")
+    )
     wait_until(lambda: node.metric("ztwisted_config_reload_errors_total") == 2, what="the second reload error")
-    wait_until(lambda: rejection(node, f"{config}: workloads[0].colour: unknown key"), what="the unknown-key error in the log")
+    wait_until(
+        lambda: rejection(node, f"{config}: workloads[0].colour: unknown key"), what="the unknown-key error in the log"
+    )
 
     # Still serving with the last good configuration.
     assert node.http("readiness", "/healthz/ready") == (200, b"ready\n")
@@ -128,7 +132,7 @@ def rejection(node, fragment: str) -> dict | None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("workloads:\n- name: w\n  workloadIps: [\"{ip}\"]\n  colour: blue\n", "workloads[0].colour: unknown key"),
+        ('workloads:\n- name: w\n  workloadIps: ["{ip}"]\n  colour: blue\n', "workloads[0].colour: unknown key"),
         ("workloads: [\n  - name: w\n", "line 2, column 3: invalid YAML"),
     ],
     ids=["unknown-key", "invalid-yaml"],
@@ -138,11 +142,25 @@ def test_invalid_config_at_start_fails_fast(tmp_path, text, expected):
     bad.write_text(text.format(ip=FIRST_IP))
     started = time.monotonic()
     result = subprocess.run(
-        twistd_command() + ["-n", "--pidfile=", "ztunnel", "--config", str(bad), "--state-dir", str(tmp_path / "state"),
-                            f"--admin=tcp:15000:interface={CONTROL_IP}", f"--socks5=tcp:15080:interface={CONTROL_IP}",
-                            f"--outbound=tcp:15001:interface={CONTROL_IP}", f"--metrics=tcp:15020:interface={CONTROL_IP}",
-                            f"--readiness=tcp:15021:interface={CONTROL_IP}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=30,
+        twistd_command()
+        + [
+            "-n",
+            "--pidfile=",
+            "ztunnel",
+            "--config",
+            str(bad),
+            "--state-dir",
+            str(tmp_path / "state"),
+            f"--admin=tcp:15000:interface={CONTROL_IP}",
+            f"--socks5=tcp:15080:interface={CONTROL_IP}",
+            f"--outbound=tcp:15001:interface={CONTROL_IP}",
+            f"--metrics=tcp:15020:interface={CONTROL_IP}",
+            f"--readiness=tcp:15021:interface={CONTROL_IP}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode != 0
     assert time.monotonic() - started < 10
@@ -231,7 +249,9 @@ def test_an_empty_file_is_an_error_that_keeps_the_last_good_configuration(reload
     wait_until(lambda: can_connect(FIRST_IP), what=f"a listener on {FIRST_IP}:15008 again")
 
 
-@pytest.mark.parametrize("first_part", ["", mesh_workloads(workload("first", FIRST_IP))], ids=["nothing", "first-workload"])
+@pytest.mark.parametrize(
+    "first_part", ["", mesh_workloads(workload("first", FIRST_IP))], ids=["nothing", "first-workload"]
+)
 def test_a_writer_that_truncates_and_writes_slowly_is_read_once_it_closes_the_file(reloading_node, first_part):
     node = reloading_node
     apply(node, both(), 1)
@@ -244,7 +264,7 @@ def test_a_writer_that_truncates_and_writes_slowly_is_read_once_it_closes_the_fi
         writer.flush()
         time.sleep(0.6)  # well past the 0.1 s reload delay, well before the 2 s a silent writer gets
         assert still_open(established), "a partial file was applied"
-        writer.write(whole[len(first_part):])
+        writer.write(whole[len(first_part) :])
 
     time.sleep(0.5)
     assert still_open(established) and can_connect(SECOND_IP)

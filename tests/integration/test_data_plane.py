@@ -32,7 +32,9 @@ def assert_echo_works(nodes, size: int = 50_000) -> None:
         assert echo_through(sock, payload, timeout=10) == payload
 
 
-@pytest.mark.parametrize(("host", "port"), [(ECHO_HOST, 80), (SERVER_IP, 8080)], ids=["service-hostname", "workload-ip"])
+@pytest.mark.parametrize(
+    ("host", "port"), [(ECHO_HOST, 80), (SERVER_IP, 8080)], ids=["service-hostname", "workload-ip"]
+)
 def test_echo_is_byte_exact(two_nodes, host, port):
     payload = os.urandom(1_000_003)
     with socks5_connect(two_nodes.a.socks5, CLIENT_IP, host, port) as sock:

@@ -112,8 +112,9 @@ def nodes(tmp_path, mesh, network):
     started: list[InpodNode] = []
 
     def start(number: int, *extra_args: str, **options) -> InpodNode:
-        node = InpodNode(tmp_path, number, NET, config=mesh, state_dir=tmp_path / "state",
-                         extra_args=tuple(extra_args), **options)
+        node = InpodNode(
+            tmp_path, number, NET, config=mesh, state_dir=tmp_path / "state", extra_args=tuple(extra_args), **options
+        )
         started.append(node)
         return node.start()
 
@@ -125,15 +126,24 @@ def nodes(tmp_path, mesh, network):
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def serve_pod(node: InpodNode, pod, *, check_not_ready: bool = True, in_snapshot: bool = False,
-              proxies: int = 1) -> None:
+def serve_pod(
+    node: InpodNode, pod, *, check_not_ready: bool = True, in_snapshot: bool = False, proxies: int = 1
+) -> None:
     """``node`` gets ``pod`` (from the agent's snapshot, or by ``ztunnel-agent add``), then the snapshot
     ends; readiness turns 200 only then. ``proxies``: how many proxies the agent has with this one."""
-    wait_until(lambda: node.agent.proxies_said_hello(proxies), timeout=POD_WAIT_SECONDS, what=f"{node.name} to say hello to its agent")
+    wait_until(
+        lambda: node.agent.proxies_said_hello(proxies),
+        timeout=POD_WAIT_SECONDS,
+        what=f"{node.name} to say hello to its agent",
+    )
     if check_not_ready:
         assert node.ready() == 500, "ready before the node agent's snapshot"
     if in_snapshot:
-        wait_until(lambda: not node.agent.status()["proxies"][-1]["busy"], timeout=POD_WAIT_SECONDS, what="the snapshot's Add to be acked")
+        wait_until(
+            lambda: not node.agent.status()["proxies"][-1]["busy"],
+            timeout=POD_WAIT_SECONDS,
+            what="the snapshot's Add to be acked",
+        )
     else:
         code, reply = node.agent.add(pod)
         assert code == 0 and acks_ok(reply), reply
@@ -184,8 +194,14 @@ def test_app_in_pod_a_reaches_pod_b_through_hbone(network, nodes, echo_b):
     report = roundtrip(pod_a, POD_B_IP, APP_PORT, 300_000)
     assert report["exact"], report
 
-    outbound = wait_until(lambda: events(node1, scope="access", direction="outbound"), timeout=POD_WAIT_SECONDS, what="node 1's access log")
-    inbound = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS, what="node 2's access log")
+    outbound = wait_until(
+        lambda: events(node1, scope="access", direction="outbound"),
+        timeout=POD_WAIT_SECONDS,
+        what="node 1's access log",
+    )
+    inbound = wait_until(
+        lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS, what="node 2's access log"
+    )
     (out,), (inn,) = outbound, inbound
     assert out["src.addr"].startswith(f"{POD_A_IP}:") and out["src.workload"] == "pod-a"
     assert out["dst.addr"] == f"{POD_B_IP}:{APP_PORT}" and out["dst.hbone_addr"] == f"{POD_B_IP}:15008"
@@ -194,11 +210,26 @@ def test_app_in_pod_a_reaches_pod_b_through_hbone(network, nodes, echo_b):
     assert inn["src.identity"] == POD_A_IDENTITY
     assert out["bytes_sent"] == inn["bytes_recv"] == 300_000
     # Both sides count it as mutual TLS; node 2 saw the HBONE connection come from pod A's address.
-    assert node1.proxy.metric("istio_tcp_connections_opened_total", reporter="source", source_workload="pod-a",
-                              destination_workload="pod-b", connection_security_policy="mutual_tls") == 1
-    assert node2.proxy.metric("istio_tcp_connections_opened_total", reporter="destination",
-                              source_workload="pod-a", destination_workload="pod-b",
-                              connection_security_policy="mutual_tls") == 1
+    assert (
+        node1.proxy.metric(
+            "istio_tcp_connections_opened_total",
+            reporter="source",
+            source_workload="pod-a",
+            destination_workload="pod-b",
+            connection_security_policy="mutual_tls",
+        )
+        == 1
+    )
+    assert (
+        node2.proxy.metric(
+            "istio_tcp_connections_opened_total",
+            reporter="destination",
+            source_workload="pod-a",
+            destination_workload="pod-b",
+            connection_security_policy="mutual_tls",
+        )
+        == 1
+    )
     assert node1.proxy.metric("ztwisted_hbone_connections", direction="outbound") == 1
     # The pooled HBONE connection lives in pod A's namespace, from A's address, with the proxy's mark.
     (pooled,) = pod_a.run("ss", "-Htne", "state", "established", "dst", f"{POD_B_IP}:15008").stdout.splitlines()
@@ -220,7 +251,9 @@ def test_last_mile_del_lets_the_tunnel_in_flight_finish_before_the_ack(network, 
     assert stream.read_event().get("echoed", 0) > 0, "the tunnel carries data before the Del"
 
     delete = node2.agent.cli_background("delete", "--uid", pod_b.uid)
-    wait_until(lambda: messages(node1, "GOAWAY from"), timeout=POD_WAIT_SECONDS, what="node 1 to receive GOAWAY from node 2")
+    wait_until(
+        lambda: messages(node1, "GOAWAY from"), timeout=POD_WAIT_SECONDS, what="node 1 to receive GOAWAY from node 2"
+    )
     time.sleep(1.0)  # the app keeps sending through the draining connection
     assert delete.poll() is None, "the Del was acked while a tunnel was still in flight"
     report = stream.stop()
@@ -237,7 +270,11 @@ def test_last_mile_del_lets_the_tunnel_in_flight_finish_before_the_ack(network, 
     goaways = [e["message"] for e in messages(node1, "GOAWAY from")]
     assert goaways and all(POD_B_IDENTITY in message for message in goaways), goaways
     assert goaways[-1].endswith("last stream 1, error code 0"), goaways  # the tunnel's stream was kept
-    wait_until(lambda: ended_by_counts(node1, "outbound"), timeout=POD_WAIT_SECONDS, what="node 1 to count the connection's end")
+    wait_until(
+        lambda: ended_by_counts(node1, "outbound"),
+        timeout=POD_WAIT_SECONDS,
+        what="node 1 to count the connection's end",
+    )
     # Node 1 processes the stream's END_STREAM before node 2's close_notify (which follows it on the
     # wire), so with GOAWAY received and no stream left it closes first, itself with close_notify:
     # "drained", not "peer". A TCP close without close_notify would have been "lost".
@@ -245,8 +282,11 @@ def test_last_mile_del_lets_the_tunnel_in_flight_finish_before_the_ack(network, 
     # Node 2's own log: the tunnel's access-log event comes before the pod-removed drain completes.
     log2 = node2.proxy.log_events()
     access = [i for i, e in enumerate(log2) if e.get("scope") == "access" and e.get("direction") == "inbound"]
-    removed = [i for i, e in enumerate(log2)
-               if e.get("message", "").startswith("drain event pod_removed") and "complete" in e["message"]]
+    removed = [
+        i
+        for i, e in enumerate(log2)
+        if e.get("message", "").startswith("drain event pod_removed") and "complete" in e["message"]
+    ]
     assert access and removed and access[-1] < removed[0], "the pod-removed drain ended before the tunnel"
     inbound = [log2[i] for i in access]
     assert "error" not in inbound[-1], inbound[-1]
@@ -308,8 +348,11 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
     stream = App(pod_a, "stream", POD_B_IP, str(APP_PORT), "--interval", "0.02")
     apps.append(stream)
     assert stream.read_event().get("echoed", 0) > 0
-    wait_until(lambda: old.proxy.metric("istio_tcp_connections_opened_total", reporter="destination") >= 10,
-               timeout=POD_WAIT_SECONDS, what="short connections through the old proxy")
+    wait_until(
+        lambda: old.proxy.metric("istio_tcp_connections_opened_total", reporter="destination") >= 10,
+        timeout=POD_WAIT_SECONDS,
+        what="short connections through the old proxy",
+    )
 
     # The upgraded proxy connects to the same agent and gets the snapshot: listeners beside the old ones.
     new = nodes(2, agent=old.agent, control_number=3, name="node-2-new")
@@ -319,8 +362,11 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
     assert proxy_old["snapshot_complete"] and proxy_new["snapshot_complete"]
 
     old.proxy.process.send_signal(signal.SIGTERM)  # proxy stopping: it drains
-    wait_until(lambda: [port for port in pod_listeners(pod_b) if port == 15008] == [15008],
-               timeout=POD_WAIT_SECONDS, what="the old proxy to close its listeners in pod B")
+    wait_until(
+        lambda: [port for port in pod_listeners(pod_b) if port == 15008] == [15008],
+        timeout=POD_WAIT_SECONDS,
+        what="the old proxy to close its listeners in pod B",
+    )
     carried_before = new.proxy.metric("istio_tcp_connections_opened_total", reporter="destination")
     time.sleep(1.0)  # short connections keep coming, now to the new proxy; the long tunnel stays on the old
     assert old.proxy.process.poll() is None, "the old proxy exited with the long tunnel still open"
@@ -338,7 +384,11 @@ def test_upgrade_second_proxy_takes_over_pod_b_without_losing_a_connection(netwo
     carried = events(old, scope="access", direction="inbound")
     assert [e for e in carried if "error" in e] == []
     assert report["sent"] in [e["bytes_recv"] for e in carried]
-    wait_until(lambda: len(old.agent.status()["proxies"]) == 1, timeout=POD_WAIT_SECONDS, what="the agent to see the old proxy leave")
+    wait_until(
+        lambda: len(old.agent.status()["proxies"]) == 1,
+        timeout=POD_WAIT_SECONDS,
+        what="the agent to see the old proxy leave",
+    )
     assert roundtrip(pod_a, POD_B_IP, APP_PORT, 50_000)["exact"]
 
 
@@ -354,8 +404,9 @@ def test_plaintext_inbound_from_outside_the_mesh_goes_through_15006_in_pod_b(net
     assert PLAINTEXT_INBOUND_PORT in pod_listeners(pod_b)
 
     def plaintext_opened() -> float:
-        return node2.proxy.metric("istio_tcp_connections_opened_total", reporter="destination",
-                                  connection_security_policy="unknown")
+        return node2.proxy.metric(
+            "istio_tcp_connections_opened_total", reporter="destination", connection_security_policy="unknown"
+        )
 
     # No capture rule yet: the client reaches the app directly and node 2 never sees the connection.
     assert roundtrip(outside, POD_B_IP, APP_PORT, 100_000)["exact"]
@@ -365,17 +416,26 @@ def test_plaintext_inbound_from_outside_the_mesh_goes_through_15006_in_pod_b(net
     pod_b.redirect_inbound()
     report = roundtrip(outside, POD_B_IP, APP_PORT, 300_000)
     assert report["exact"], report
-    (inn,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
-                        what="node 2's access log of the plaintext connection")
+    (inn,) = wait_until(
+        lambda: events(node2, scope="access", direction="inbound"),
+        timeout=POD_WAIT_SECONDS,
+        what="node 2's access log of the plaintext connection",
+    )
     assert inn["dst.addr"] == f"{POD_B_IP}:{APP_PORT}" and inn["dst.workload"] == "pod-b"
     assert inn["src.addr"].startswith(f"{OUTSIDE_IP}:"), inn
     assert "error" not in inn and inn["outcome"] == "closed", inn
     assert inn["bytes_sent"] == inn["bytes_recv"] == 300_000, inn
     assert plaintext_opened() == 1
-    assert node2.proxy.metric("istio_tcp_connections_opened_total", reporter="destination",
-                              destination_workload="pod-b", connection_security_policy="unknown") == 1
-    assert node2.proxy.metric("istio_tcp_connections_opened_total",
-                              connection_security_policy="mutual_tls") == 0
+    assert (
+        node2.proxy.metric(
+            "istio_tcp_connections_opened_total",
+            reporter="destination",
+            destination_workload="pod-b",
+            connection_security_policy="unknown",
+        )
+        == 1
+    )
+    assert node2.proxy.metric("istio_tcp_connections_opened_total", connection_security_policy="mutual_tls") == 0
 
     # While a connection is open: the proxy's own leg to the app lives in pod B's namespace with the
     # proxy's mark (the PREROUTING rule never applies to it: it is locally generated).
@@ -386,8 +446,11 @@ def test_plaintext_inbound_from_outside_the_mesh_goes_through_15006_in_pod_b(net
     assert f"fwmark:{PACKET_MARK:#x}" in leg, leg
     result = stream.stop()
     assert result["exact"], result
-    wait_until(lambda: len(events(node2, scope="access", direction="inbound")) == 2, timeout=POD_WAIT_SECONDS,
-               what="node 2's access log of the streamed connection")
+    wait_until(
+        lambda: len(events(node2, scope="access", direction="inbound")) == 2,
+        timeout=POD_WAIT_SECONDS,
+        what="node 2's access log of the streamed connection",
+    )
     assert plaintext_opened() == 2
 
     # The rule removed, connections bypass the proxy again: its counter stays put.
@@ -435,13 +498,23 @@ def test_plaintext_inbound_is_refused_by_policy(network, mesh, nodes, echo_b, po
 
     report = roundtrip(outside, POD_B_IP, APP_PORT, 10_000)
     assert not report["exact"] and report["received"] == 0, report
-    (denied,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
-                           what="node 2's access log of the refused connection")
+    (denied,) = wait_until(
+        lambda: events(node2, scope="access", direction="inbound"),
+        timeout=POD_WAIT_SECONDS,
+        what="node 2's access log of the refused connection",
+    )
     assert denied["src.addr"].startswith(f"{OUTSIDE_IP}:") and denied["dst.addr"] == f"{POD_B_IP}:{APP_PORT}", denied
     assert denied["outcome"] == "refused" and denied["level"] == "error", denied
     assert denied["error"] in ("denied by policy default/outside-deny", "no allow policy matched"), denied
-    assert node2.proxy.metric("istio_tcp_connections_closed_total", reporter="destination",
-                              connection_security_policy="unknown", response_flags="DENY") == 1
+    assert (
+        node2.proxy.metric(
+            "istio_tcp_connections_closed_total",
+            reporter="destination",
+            connection_security_policy="unknown",
+            response_flags="DENY",
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("netns_prefix", ["ztw17-"])
@@ -455,8 +528,11 @@ def test_plaintext_inbound_to_the_proxys_own_port_is_refused(network, nodes, ech
 
     report = roundtrip(outside, POD_B_IP, 15008, 1_000)
     assert report["received"] == 0, report
-    (refused,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
-                            what="node 2's access log of the self-call")
+    (refused,) = wait_until(
+        lambda: events(node2, scope="access", direction="inbound"),
+        timeout=POD_WAIT_SECONDS,
+        what="node 2's access log of the self-call",
+    )
     assert refused["dst.addr"] == f"{POD_B_IP}:15008" and refused["outcome"] == "refused", refused
     assert refused["error"] == "self-call: port 15008 is the proxy's own", refused
 
@@ -482,8 +558,11 @@ def test_pod_added_before_discovery_is_captured_at_once_and_discovery_fills_in_l
 
         report = roundtrip(pod_a, POD_B_IP, APP_PORT, 100_000)
         assert report["exact"], report
-        (inn,) = wait_until(lambda: events(node2, scope="access", direction="inbound"), timeout=POD_WAIT_SECONDS,
-                            what="node 2's access log")
+        (inn,) = wait_until(
+            lambda: events(node2, scope="access", direction="inbound"),
+            timeout=POD_WAIT_SECONDS,
+            what="node 2's access log",
+        )
         assert inn["dst.addr"] == f"{POD_B_IP}:{APP_PORT}" and inn["dst.workload"] == "pod-b" and "error" not in inn
         assert inn["src.identity"] == POD_A_IDENTITY and inn["dst.identity"] == POD_B_IDENTITY
 

@@ -40,8 +40,20 @@ def lab(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def lab_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lab")
-    done = lab("run", "--strategies", ",".join(STRATEGIES), "--duration", "6", "--seed", "7", "--net", NET,
-               "--out", str(out), "--quiet")
+    done = lab(
+        "run",
+        "--strategies",
+        ",".join(STRATEGIES),
+        "--duration",
+        "6",
+        "--seed",
+        "7",
+        "--net",
+        NET,
+        "--out",
+        str(out),
+        "--quiet",
+    )
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     return out, json.loads((out / "results.json").read_text()), done.stdout
 
@@ -51,8 +63,17 @@ def test_every_strategy_has_its_measures(lab_run):
     assert [s["name"] for s in results["strategies"]] == list(STRATEGIES)
     for strategy in results["strategies"]:
         m = strategy["measures"]
-        for key in ("requests", "bytes", "hbone", "tunnel_open", "first_response_byte", "pool_to_b1",
-                    "delete_to_ack_s", "cpu_s", "answered_by"):
+        for key in (
+            "requests",
+            "bytes",
+            "hbone",
+            "tunnel_open",
+            "first_response_byte",
+            "pool_to_b1",
+            "delete_to_ack_s",
+            "cpu_s",
+            "answered_by",
+        ):
             assert key in m, f"{strategy['name']}: no {key}"
         assert m["delete_status"] == 200
         assert m["delete_to_ack_s"] >= 0
@@ -169,7 +190,12 @@ def test_measure_helpers():
     assert percentile([], 99) is None
     assert percentile([3, 1, 2], 50) == 2
     polls = [{"t": 0.0, "b1": 2}, {"t": 1.0, "b1": 2}, {"t": 1.2, "b1": 1}, {"t": 1.4, "b1": 0}, {"t": 1.6, "b1": 0}]
-    assert pool_leftovers(polls, 1.0) == {"open_at_gone": 2, "max_after_gone": 2, "last_closed_after_s": 0.4, "still_open_at_end": 0}
+    assert pool_leftovers(polls, 1.0) == {
+        "open_at_gone": 2,
+        "max_after_gone": 2,
+        "last_closed_after_s": 0.4,
+        "still_open_at_end": 0,
+    }
     assert pool_leftovers(polls[:3], 1.0)["last_closed_after_s"] is None
 
 
@@ -179,8 +205,26 @@ def test_netns_mode_immediate_leaves_a_pooled_connection_to_keepalive_and_last_m
     connection to B1 stays until keepalive gives up; last-mile closes it before the Ack."""
     _netns_or_fail()
     # keepalive 1 s + 1.5 s, so that 6 s of observation are plenty for it to give up
-    done = lab("run", "--mode", "netns", "--strategies", "immediate,last-mile", "--duration", "4", "--observe", "6",
-               "--keepalive-interval", "1", "--keepalive-timeout", "1.5", "--net", NET, "--out", str(tmp_path), "--quiet")
+    done = lab(
+        "run",
+        "--mode",
+        "netns",
+        "--strategies",
+        "immediate,last-mile",
+        "--duration",
+        "4",
+        "--observe",
+        "6",
+        "--keepalive-interval",
+        "1",
+        "--keepalive-timeout",
+        "1.5",
+        "--net",
+        NET,
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     results = json.loads((tmp_path / "results.json").read_text())
     immediate, last_mile = results["strategies"]
@@ -221,9 +265,26 @@ def test_netns_mode_client_evict_retires_the_pooled_connection_on_the_xds_remova
     pooled connection to B1: the client pods' TCP tables show it closing after the removal. Keepalive is too
     long (30 s + 30 s) to be what closed it."""
     _netns_or_fail()
-    done = lab("run", "--mode", "netns", "--strategies", "client-evict", "--duration", "4", "--observe", "4",
-               "--keepalive-interval", "30", "--keepalive-timeout", "30", "--net", NET, "--out", str(tmp_path),
-               "--quiet")
+    done = lab(
+        "run",
+        "--mode",
+        "netns",
+        "--strategies",
+        "client-evict",
+        "--duration",
+        "4",
+        "--observe",
+        "4",
+        "--keepalive-interval",
+        "30",
+        "--keepalive-timeout",
+        "30",
+        "--net",
+        NET,
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     (strategy,) = json.loads((tmp_path / "results.json").read_text())["strategies"]
     events = {e["name"]: e for e in strategy["events"]}
@@ -250,9 +311,25 @@ def test_netns_mode_with_ztunnel_as_node_a(tmp_path):
     _netns_or_fail()
     _ztunnel_or_fail()
     # B1 stays an endpoint until it is removed, so that ztunnel still sends to it after the GOAWAY
-    done = lab("run", "--mode", "netns", "--client-proxy", "ztunnel", "--strategies", "immediate,goaway-on-start",
-               "--duration", "4", "--unready-after", "never", "--net", NET, "--out", str(tmp_path), "--quiet",
-               timeout=180)
+    done = lab(
+        "run",
+        "--mode",
+        "netns",
+        "--client-proxy",
+        "ztunnel",
+        "--strategies",
+        "immediate,goaway-on-start",
+        "--duration",
+        "4",
+        "--unready-after",
+        "never",
+        "--net",
+        NET,
+        "--out",
+        str(tmp_path),
+        "--quiet",
+        timeout=180,
+    )
     assert done.returncode == 0, f"lab failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["lab"]["client_proxy"] == "ztunnel"

@@ -48,8 +48,10 @@ def matching(text: str, name: str, **labels) -> float:
 def closed_on_both(nodes, count: int = 1) -> None:
     """Metrics and access logs are written when a connection ends: wait for both sides."""
     wait_until(
-        lambda: nodes.a.metric("istio_tcp_connections_closed_total", reporter="source") >= count
-        and nodes.b.metric("istio_tcp_connections_closed_total", reporter="destination") >= count,
+        lambda: (
+            nodes.a.metric("istio_tcp_connections_closed_total", reporter="source") >= count
+            and nodes.b.metric("istio_tcp_connections_closed_total", reporter="destination") >= count
+        ),
         what=f"{count} closed connection(s) on both nodes",
     )
 
@@ -146,7 +148,9 @@ def test_destination_reporter_names_the_service(two_nodes):
     echo(two_nodes)
     closed_on_both(two_nodes)
     text = two_nodes.b.metrics()
-    assert matching(text, "istio_tcp_connections_opened_total", reporter="destination", destination_service=ECHO_HOST) == 1
+    assert (
+        matching(text, "istio_tcp_connections_opened_total", reporter="destination", destination_service=ECHO_HOST) == 1
+    )
 
 
 def test_plain_destination_is_not_mutual_tls(two_nodes):
@@ -160,9 +164,13 @@ def test_plain_destination_is_not_mutual_tls(two_nodes):
             conn.close()
             sock.settimeout(5)
             assert sock.recv(1) == b""
-    wait_until(lambda: two_nodes.a.metric("istio_tcp_connections_closed_total", connection_security_policy="unknown") == 1,
-               what="the passthrough connection to close")
-    assert two_nodes.a.metric("istio_tcp_connections_opened_total", reporter="source", destination_workload="unknown") == 1
+    wait_until(
+        lambda: two_nodes.a.metric("istio_tcp_connections_closed_total", connection_security_policy="unknown") == 1,
+        what="the passthrough connection to close",
+    )
+    assert (
+        two_nodes.a.metric("istio_tcp_connections_opened_total", reporter="source", destination_workload="unknown") == 1
+    )
 
 
 # -- readiness and quitquitquit ---------------------------------------------------
@@ -208,8 +216,10 @@ def test_one_access_log_event_per_connection_on_both_nodes(two_nodes):
         replier.close()
     sizes = [5_000, 7_000, 3_000]
     closed_on_both(two_nodes, 3)
-    wait_until(lambda: len(access_events(two_nodes.a, "outbound")) >= 3 and len(access_events(two_nodes.b, "inbound")) >= 3,
-               what="three access-log events per node")
+    wait_until(
+        lambda: len(access_events(two_nodes.a, "outbound")) >= 3 and len(access_events(two_nodes.b, "inbound")) >= 3,
+        what="three access-log events per node",
+    )
 
     outbound = access_events(two_nodes.a, "outbound")
     inbound = access_events(two_nodes.b, "inbound")

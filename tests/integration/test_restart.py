@@ -73,8 +73,6 @@ def test_restarting_the_socks5_side_node_loses_nothing(nodes):
     assert nodes.a.metric("istio_tcp_connections_opened_total") > 0, "the last successor carried traffic"
 
 
-
-
 def test_a_socks5_client_accepted_before_sigterm_is_carried_to_its_end(nodes):
     with socket.create_connection(nodes.a.socks5, source_address=(CLIENT_IP, 0), timeout=10) as sock:
         sock.sendall(b"\x05\x01\x00")

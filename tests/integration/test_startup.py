@@ -37,12 +37,18 @@ def test_start_up_logs_one_line_per_listener_with_its_address(tmp_path, mesh):
         node.stop()
     listening = {event["address"]: event["message"] for event in events if event["message"].startswith("listening on ")}
     expected = {f"{CONTROL_IP}:{port}": option for option, port in CONTROL_PORTS.items()}
-    expected |= {f"{WORKLOAD_IP}:15008": "HBONE inbound of default/solo", f"{WORKLOAD_IP}:15006": "plaintext inbound of default/solo"}
+    expected |= {
+        f"{WORKLOAD_IP}:15008": "HBONE inbound of default/solo",
+        f"{WORKLOAD_IP}:15006": "plaintext inbound of default/solo",
+    }
     assert set(listening) == set(expected)
     for address, what in expected.items():
         assert listening[address].startswith(f"listening on {address}: ") and what in listening[address]
-    noise = [event["message"] for event in node.log_events()
-             if "factory" in event["message"].lower() or " starting on " in event["message"] or "Port" in event["message"]]
+    noise = [
+        event["message"]
+        for event in node.log_events()
+        if "factory" in event["message"].lower() or " starting on " in event["message"] or "Port" in event["message"]
+    ]
     assert noise == [], "Twisted's per-listener lines (the one line above says it all)"
 
 
@@ -58,13 +64,30 @@ def start_and_stop(tmp_path, mesh, *args: str) -> str:
     log = tmp_path / "twistd.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            twistd_command() + ["-n", "--pidfile=", "ztunnel", "--state-dir", str(tmp_path / "state"),
-                                "--config", str(mesh), "--node", "node-s", *control_listeners(), *args],
-            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+            twistd_command()
+            + [
+                "-n",
+                "--pidfile=",
+                "ztunnel",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--config",
+                str(mesh),
+                "--node",
+                "node-s",
+                *control_listeners(),
+                *args,
+            ],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
-        wait_until(lambda: "node proxy ready" in log.read_text() or process.poll() is not None, timeout=20,
-                   what="the node to start")
+        wait_until(
+            lambda: "node proxy ready" in log.read_text() or process.poll() is not None,
+            timeout=20,
+            what="the node to start",
+        )
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(20)
@@ -76,13 +99,27 @@ def test_a_port_in_use_at_start_up_is_one_line_naming_the_option_and_the_address
     # A port of its own (the default 15021 may be held on the wildcard address by a demo proxy left running).
     taken = listening_socket(CONTROL_IP, 0, backlog=1)  # no SO_REUSEPORT: the node cannot share it
     port = taken.getsockname()[1]
-    listeners = [f"{option}=tcp:{port}:interface={CONTROL_IP}" if arg.startswith(f"{option}=") else arg
-                 for arg in control_listeners()]
+    listeners = [
+        f"{option}=tcp:{port}:interface={CONTROL_IP}" if arg.startswith(f"{option}=") else arg
+        for arg in control_listeners()
+    ]
     try:
         done = subprocess.run(
-            twistd_command() + ["-n", "--pidfile=", "ztunnel", "--state-dir", str(tmp_path / "state"),
-                                "--config", str(mesh), *listeners],
-            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+            twistd_command()
+            + [
+                "-n",
+                "--pidfile=",
+                "ztunnel",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--config",
+                str(mesh),
+                *listeners,
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     finally:
         close_listener(taken)
@@ -97,8 +134,9 @@ def test_a_port_in_use_at_start_up_is_one_line_naming_the_option_and_the_address
 def test_after_quitquitquit_the_process_exits_without_interpreter_teardown(tmp_path, mesh):
     # Python's verbose mode writes "# cleanup[...]" lines while it tears the interpreter
     # down: the slow part of an exit without a signal (twistd re-raises SIGTERM/SIGINT).
-    node = NodeProcess(tmp_path / "node", name="node-s", control_ip=CONTROL_IP, config=mesh, node="node-s",
-                       env={"PYTHONVERBOSE": "1"}).start()
+    node = NodeProcess(
+        tmp_path / "node", name="node-s", control_ip=CONTROL_IP, config=mesh, node="node-s", env={"PYTHONVERBOSE": "1"}
+    ).start()
     try:
         assert node.http("admin", "/quitquitquit", method="POST")[0] == 200
         assert node.process.wait(20) == 0

@@ -71,7 +71,11 @@ def through_node_a(nodes: Nodes, size: int = 32 * 1024) -> None:
 
 
 def kinds(peer) -> list[str]:
-    return [event.kind for event in peer.events if event.kind in ("goaway", "rst_stream", "end_stream", "close_notify", "tls_eof", "tcp_reset")]
+    return [
+        event.kind
+        for event in peer.events
+        if event.kind in ("goaway", "rst_stream", "end_stream", "close_notify", "tls_eof", "tcp_reset")
+    ]
 
 
 # -- immediate -------------------------------------------------------------------------
@@ -132,8 +136,10 @@ def test_goaway_on_start_lets_the_terminating_pod_serve(nodes, peers):
     opened = pair.a.metric("ztwisted_pool_connections_opened_total") - opened_before
     assert 1 <= opened <= 2, f"node-a opened {opened} new connections for 20 requests"
     assert long_tunnel.finish(), "node-a's tunnel in flight on the old connection finishes byte-exact"
-    wait_until(lambda: pair.b.metric("ztwisted_hbone_connections_closed_total", direction="inbound", ended_by="drained") >= 2,
-               what="the peer's and node-a's old connections to end as drained")
+    wait_until(
+        lambda: pair.b.metric("ztwisted_hbone_connections_closed_total", direction="inbound", ended_by="drained") >= 2,
+        what="the peer's and node-a's old connections to end as drained",
+    )
     assert pair.b.metric("ztwisted_drain_events_total", strategy="goaway-on-start", event="pod_terminating") == 1
 
 
@@ -207,8 +213,10 @@ def test_client_evict_retires_the_pooled_connection_to_a_removed_destination(nod
     assert long_tunnel.finish(), "the tunnel in flight finishes byte-exact"
 
     wait_until(lambda: pair.a.config_dump()["pool"] == [], what="the retired connection to leave the pool")
-    wait_until(lambda: pair.b.metric("ztwisted_hbone_connections_closed_total", direction="inbound") == 1,
-               what="node-b to see the connection end")
+    wait_until(
+        lambda: pair.b.metric("ztwisted_hbone_connections_closed_total", direction="inbound") == 1,
+        what="node-b to see the connection end",
+    )
     # "peer" on node-b: node-a closed with close_notify (a close without it counts as "lost").
     assert pair.b.metric("ztwisted_hbone_connections_closed_total", direction="inbound", ended_by="peer") == 1
     assert pair.a.metric("ztwisted_hbone_connections_closed_total", direction="outbound", ended_by="drained") == 1
@@ -230,7 +238,9 @@ def test_gradual_spreads_goaways_over_the_drain_window(nodes, peers):
     status = wait_exit(pair.b, 10)
 
     arrivals = sorted(peer.goaways()[0].at - stopped_at for peer in connections)
-    assert arrivals[-1] - arrivals[0] >= 1.0, f"GOAWAYs all arrived within {arrivals[-1] - arrivals[0]:.3f} s: {arrivals}"
+    assert arrivals[-1] - arrivals[0] >= 1.0, (
+        f"GOAWAYs all arrived within {arrivals[-1] - arrivals[0]:.3f} s: {arrivals}"
+    )
     assert arrivals[-1] < 4.0, "every GOAWAY goes out within the drain window"
     assert all(tunnel.byte_exact for tunnel in finished)
     assert all(peer.wait_closed() == "close_notify" for peer in connections)
@@ -310,7 +320,9 @@ def test_composed_strategies_each_receive_the_event(nodes, peers):
 def run_twistd(tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         twistd_command() + ["ztunnel", "--state-dir", str(tmp_path / "state"), *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

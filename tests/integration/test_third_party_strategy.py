@@ -48,7 +48,12 @@ def twistd(args: list[str], cwd: Path, pythonpath: str | None) -> subprocess.Com
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     return subprocess.run(
-        twistd_command() + ["-n", "--pidfile=", "ztunnel", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+        twistd_command() + ["-n", "--pidfile=", "ztunnel", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -64,7 +69,10 @@ def test_drain_strategy_help_lists_the_third_party_strategy(tmp_path, plugin_pat
 
     unknown = twistd(["--drain-strategy", "nonesuch"], tmp_path, plugin_path)
     assert unknown.returncode != 0
-    assert f"unknown drain strategy nonesuch; installed: client-evict, goaway-on-start, {STRATEGY}," in unknown.stdout + unknown.stderr
+    assert (
+        f"unknown drain strategy nonesuch; installed: client-evict, goaway-on-start, {STRATEGY},"
+        in unknown.stdout + unknown.stderr
+    )
 
 
 def round_trip(sock: socket.socket, payload: bytes) -> bytes:
@@ -93,7 +101,11 @@ def open_tunnel(node_a: NodeProcess, source_ip: str) -> socket.socket:
 
 def pool_entries(node_a: NodeProcess) -> dict[str, dict]:
     """node-a's pooled connections to echo, by source IP."""
-    return {entry["source_ip"]: entry for entry in node_a.config_dump()["pool"] if entry["destination"] == f"{SERVER_IP}:15008"}
+    return {
+        entry["source_ip"]: entry
+        for entry in node_a.config_dump()["pool"]
+        if entry["destination"] == f"{SERVER_IP}:15008"
+    }
 
 
 def inbound_closed(node_b: NodeProcess, ended_by: str) -> float:
@@ -111,10 +123,18 @@ def nodes(tmp_path, echo_app, plugin_path):
     config.write_text(MESH)
     state = tmp_path / "state"
     node_b = NodeProcess(
-        tmp_path / "b", name="node-b", control_ip=NODE_B_CONTROL_IP, config=config, node="node-b", state_dir=state,
-        extra_args=("--drain-strategy", f"{STRATEGY},immediate"), env={"PYTHONPATH": plugin_path},
+        tmp_path / "b",
+        name="node-b",
+        control_ip=NODE_B_CONTROL_IP,
+        config=config,
+        node="node-b",
+        state_dir=state,
+        extra_args=("--drain-strategy", f"{STRATEGY},immediate"),
+        env={"PYTHONPATH": plugin_path},
     )
-    node_a = NodeProcess(tmp_path / "a", name="node-a", control_ip=NODE_A_CONTROL_IP, config=config, node="node-a", state_dir=state)
+    node_a = NodeProcess(
+        tmp_path / "a", name="node-a", control_ip=NODE_A_CONTROL_IP, config=config, node="node-a", state_dir=state
+    )
     node_b.start()
     try:
         node_a.start()
@@ -139,7 +159,9 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
     busy = open_tunnel(node_a, CLIENT_IP)
     first = os.urandom(50_000)
     assert round_trip(busy, first) == first
-    wait_until(lambda: set(pool_entries(node_a)) == {CLIENT_IP, CLIENT2_IP}, timeout=10.0, what="both pooled connections")
+    wait_until(
+        lambda: set(pool_entries(node_a)) == {CLIENT_IP, CLIENT2_IP}, timeout=10.0, what="both pooled connections"
+    )
 
     status, body = node_b.http("admin", "/workloads/echo/terminating", method="POST")
     assert (status, body) == (200, f"pod terminating: {ECHO_UID}\n".encode())
@@ -148,7 +170,9 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
 
     # The idle connection got GOAWAY and closed gracefully; the busy one did not.
     wait_until(lambda: graceful_closes(node_b) == 1, timeout=10.0, what="the idle connection to close")
-    wait_until(lambda: set(pool_entries(node_a)) == {CLIENT_IP}, timeout=10.0, what="client2's connection to leave the pool")
+    wait_until(
+        lambda: set(pool_entries(node_a)) == {CLIENT_IP}, timeout=10.0, what="client2's connection to leave the pool"
+    )
     assert inbound_closed(node_b, "abrupt") == 0
 
     # The pod keeps serving, and the busy connection keeps carrying new tunnels: no new handshake.
@@ -165,7 +189,9 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
     last = os.urandom(10_000)
     assert finish(busy, last) == last
     busy.close()
-    wait_until(lambda: graceful_closes(node_b) == 2, timeout=10.0, what="the busy connection to close after its last tunnel")
+    wait_until(
+        lambda: graceful_closes(node_b) == 2, timeout=10.0, what="the busy connection to close after its last tunnel"
+    )
     wait_until(lambda: pool_entries(node_a) == {}, timeout=10.0, what="the pool to be empty")
     assert inbound_closed(node_b, "abrupt") == 0
 
@@ -182,5 +208,7 @@ def test_goaway_when_idle_composed_with_immediate_in_a_real_node(nodes):
             assert late.recv(100) == b""
         except ConnectionResetError:
             pass
-    wait_until(lambda: inbound_closed(node_b, "abrupt") == 1, timeout=10.0, what="the pod's last connection to be aborted")
+    wait_until(
+        lambda: inbound_closed(node_b, "abrupt") == 1, timeout=10.0, what="the pod's last connection to be aborted"
+    )
     assert node_b.metric("ztwisted_drain_event_failures_total") == 0

@@ -27,20 +27,37 @@ XDS_ADDRESS = f"https://{CONTROL_PLANE_IP}:15012"
 
 SINK_ENTRY = mesh_workload("sink", SINK_IP, "node-b", uid=pod_uid("sink"))
 # The two-node mesh, where a Deny policy selects sink: client -> echo is allowed, client -> sink denied.
-MESH = (TWO_NODE_MESH.replace(SINK_ENTRY, SINK_ENTRY + '  authorizationPolicies: ["default/sink-deny-client"]\n')
-        + "policies:\n" + deny_policy("sink-deny-client", "client"))
+MESH = (
+    TWO_NODE_MESH.replace(SINK_ENTRY, SINK_ENTRY + '  authorizationPolicies: ["default/sink-deny-client"]\n')
+    + "policies:\n"
+    + deny_policy("sink-deny-client", "client")
+)
 
 
-def xds_node(tmp_path: Path, name: str, control_ip: str, control_plane: ControlPlaneProcess, *extra: str) -> NodeProcess:
+def xds_node(
+    tmp_path: Path, name: str, control_ip: str, control_plane: ControlPlaneProcess, *extra: str
+) -> NodeProcess:
     return NodeProcess(
-        tmp_path / name, name=name, control_ip=control_ip, node=name,
-        extra_args=("--xds-address", XDS_ADDRESS, "--xds-root-ca", str(control_plane.root_cert),
-                    "--ca-root-ca", str(control_plane.root_cert), *extra),
+        tmp_path / name,
+        name=name,
+        control_ip=control_ip,
+        node=name,
+        extra_args=(
+            "--xds-address",
+            XDS_ADDRESS,
+            "--xds-root-ca",
+            str(control_plane.root_cert),
+            "--ca-root-ca",
+            str(control_plane.root_cert),
+            *extra,
+        ),
     )
 
 
 def lab_control_plane(tmp_path: Path, mesh: Path, *extra: str) -> ControlPlaneProcess:
-    return ControlPlaneProcess(tmp_path, mesh, listen=f"{CONTROL_PLANE_IP}:15012", api=f"{CONTROL_PLANE_IP}:15014", extra=extra)
+    return ControlPlaneProcess(
+        tmp_path, mesh, listen=f"{CONTROL_PLANE_IP}:15012", api=f"{CONTROL_PLANE_IP}:15014", extra=extra
+    )
 
 
 def stop_all(*nodes: NodeProcess) -> None:
@@ -149,8 +166,11 @@ def test_control_plane_restart_loses_no_tunnel_and_the_node_resyncs(tmp_path, co
         mesh.write_text(MESH.replace(SINK_ENTRY + '  authorizationPolicies: ["default/sink-deny-client"]\n', ""))
         control_plane.start()
         wait_until(lambda: a.config_dump()["xds"]["connected"], timeout=30, what="the node to reconnect")
-        wait_until(lambda: "sink" not in [w["name"] for w in a.config_dump()["workloads"]], timeout=10,
-                   what="the removal to reach the node")
+        wait_until(
+            lambda: "sink" not in [w["name"] for w in a.config_dump()["workloads"]],
+            timeout=10,
+            what="the removal to reach the node",
+        )
         sock.sendall(b"after")
         assert sock.recv(100) == b"after"
     assert a.config_dump()["xds"]["streams_opened"] >= 2
@@ -171,8 +191,11 @@ def test_renewal_keeps_connections(tmp_path):
             sock.sendall(b"one")
             assert sock.recv(10) == b"one"
             first = {c["identity"]: c["serial"] for c in a.config_dump()["certificates"]}
-            wait_until(lambda: {c["identity"]: c["serial"] for c in a.config_dump()["certificates"]} != first,
-                       timeout=15, what="a renewal")
+            wait_until(
+                lambda: {c["identity"]: c["serial"] for c in a.config_dump()["certificates"]} != first,
+                timeout=15,
+                what="a renewal",
+            )
             sock.sendall(b"two")
             assert sock.recv(10) == b"two"
         assert echo_once(a) == b"hello through xDS"
@@ -185,12 +208,24 @@ def test_renewal_keeps_connections(tmp_path):
 def test_ca_down_at_start_keeps_readiness_false(tmp_path):
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH)
-    node = NodeProcess(tmp_path / "a", name="node-a", control_ip=NODE_A_CONTROL_IP, config=config, node="node-a",
-                       extra_args=("--ca-address", f"https://{CONTROL_PLANE_IP}:15012", "--ca-root-ca", "SYSTEM"))
+    node = NodeProcess(
+        tmp_path / "a",
+        name="node-a",
+        control_ip=NODE_A_CONTROL_IP,
+        config=config,
+        node="node-a",
+        extra_args=("--ca-address", f"https://{CONTROL_PLANE_IP}:15012", "--ca-root-ca", "SYSTEM"),
+    )
     node.start()
     try:
-        wait_until(lambda: any("cannot get a certificate for spiffe://cluster.local/ns/default/sa/client"
-                               in e.get("message", "") for e in node.log_events()), timeout=15, what="the CA error log")
+        wait_until(
+            lambda: any(
+                "cannot get a certificate for spiffe://cluster.local/ns/default/sa/client" in e.get("message", "")
+                for e in node.log_events()
+            ),
+            timeout=15,
+            what="the CA error log",
+        )
         status, body = node.http("readiness", "/healthz/ready")
         assert status != 200
         assert b"certificate spiffe://cluster.local/ns/default/sa/client" in body
@@ -199,8 +234,11 @@ def test_ca_down_at_start_keeps_readiness_false(tmp_path):
         # Its inbound port closes connections cleanly meanwhile: nothing to present yet.
         with socket.create_connection((CLIENT_IP, 15008), timeout=5) as sock:
             assert sock.recv(100) == b""
-        wait_until(lambda: any(e.get("message", "").startswith("closing the connection from")
-                               for e in node.log_events()), timeout=5, what="the refusal in the log")
+        wait_until(
+            lambda: any(e.get("message", "").startswith("closing the connection from") for e in node.log_events()),
+            timeout=5,
+            what="the refusal in the log",
+        )
         assert "Traceback" not in node.log_path.read_text()
     finally:
         node.stop()
@@ -218,8 +256,14 @@ def test_a_wrong_token_is_refused_with_a_clear_error_and_the_right_one_accepted(
         good.start()
         bad.start()
         wait_until(lambda: ready(good), timeout=20, what="the node with the right token ready")
-        wait_until(lambda: any("xDS stream" in e.get("message", "") and "bearer token is not the one" in e.get("message", "")
-                               for e in bad.log_events()), timeout=20, what="the refusal in the log")
+        wait_until(
+            lambda: any(
+                "xDS stream" in e.get("message", "") and "bearer token is not the one" in e.get("message", "")
+                for e in bad.log_events()
+            ),
+            timeout=20,
+            what="the refusal in the log",
+        )
         assert not ready(bad)
         assert "gRPC status 16" in bad.config_dump()["xds"]["last_error"]
         streams = [s for s in plane.state()["streams"] if s["node"]]
@@ -238,8 +282,14 @@ def test_a_removal_over_xds_retires_pooled_connections_under_client_evict(tmp_pa
     from tests.integration.drain_support import LongTunnel
 
     echo = EchoServer(SERVER_IP, 8080)
-    b = NodeProcess(tmp_path / "node-b", name="node-b", control_ip=NODE_B_CONTROL_IP, config=control_plane.mesh,
-                    node="node-b", extra_args=("--ca-dir", str(control_plane.state_dir / "ca")))
+    b = NodeProcess(
+        tmp_path / "node-b",
+        name="node-b",
+        control_ip=NODE_B_CONTROL_IP,
+        config=control_plane.mesh,
+        node="node-b",
+        extra_args=("--ca-dir", str(control_plane.state_dir / "ca")),
+    )
     a = xds_node(tmp_path, "node-a", NODE_A_CONTROL_IP, control_plane, "--drain-strategy", "client-evict")
     try:
         b.start()
@@ -251,16 +301,20 @@ def test_a_removal_over_xds_retires_pooled_connections_under_client_evict(tmp_pa
         assert (entry["usable"], entry["streams"]) == (True, 1)
 
         assert control_plane.api("DELETE", "/workloads/" + pod_uid("echo").replace("/", "%2F"))[0] == 200
-        wait_until(lambda: a.metric("ztwisted_drain_events_total", strategy="client-evict",
-                                    event="destination_removed") == 1, what="the removal to reach client-evict")
+        wait_until(
+            lambda: a.metric("ztwisted_drain_events_total", strategy="client-evict", event="destination_removed") == 1,
+            what="the removal to reach client-evict",
+        )
         assert "echo" not in [w["name"] for w in a.config_dump()["workloads"]]
         (entry,) = a.config_dump()["pool"]
         assert (entry["usable"], entry["streams"]) == (False, 1), "retired: no new streams, the one in flight goes on"
         assert b.metric("ztwisted_hbone_connections_closed_total", direction="inbound") == 0
         assert long_tunnel.finish(), "the tunnel in flight finishes byte-exact"
         wait_until(lambda: a.config_dump()["pool"] == [], what="the retired connection to leave the pool")
-        wait_until(lambda: b.metric("ztwisted_hbone_connections_closed_total", direction="inbound") == 1,
-                   what="node-b to see the connection end")
+        wait_until(
+            lambda: b.metric("ztwisted_hbone_connections_closed_total", direction="inbound") == 1,
+            what="node-b to see the connection end",
+        )
         assert b.metric("ztwisted_hbone_connections_closed_total", direction="inbound", ended_by="peer") == 1
     finally:
         stop_all(a, b)

@@ -49,10 +49,11 @@ def agent_process(tmp_path):
     proto = AgentProcess()
     socket_path = str(tmp_path / "ztunnel.sock")
     transport = reactor.spawnProcess(
-        proto, sys.executable,
-        [*AGENT, "serve", "--socket", socket_path, "--control", f"tcp:0:interface={CONTROL_IP}",
-         "--ack-timeout", "5"],
-        env=dict(os.environ))
+        proto,
+        sys.executable,
+        [*AGENT, "serve", "--socket", socket_path, "--control", f"tcp:0:interface={CONTROL_IP}", "--ack-timeout", "5"],
+        env=dict(os.environ),
+    )
     yield proto, socket_path
     if not proto.ended.called:
         transport.signalProcess("TERM")
@@ -61,7 +62,8 @@ def agent_process(tmp_path):
 @defer.inlineCallbacks
 def cli(control, *args):
     out, err, code = yield getProcessOutputAndValue(
-        sys.executable, [*AGENT[1:], *args, "--control", control], env=dict(os.environ))
+        sys.executable, [*AGENT[1:], *args, "--control", control], env=dict(os.environ)
+    )
     return (json.loads(out) if out.strip() else None), err.decode(), code
 
 
@@ -103,8 +105,20 @@ def test_cli_drives_a_served_agent_and_prints_acks(agent_process, pod_netns_path
     try:
         yield eventually(zds.ready)
 
-        reply, _, code = yield cli(control, "add", "--uid", "uid-a", "--name", "a", "--namespace", "default",
-                                   "--service-account", "sa-a", "--netns", pod_netns_path)
+        reply, _, code = yield cli(
+            control,
+            "add",
+            "--uid",
+            "uid-a",
+            "--name",
+            "a",
+            "--namespace",
+            "default",
+            "--service-account",
+            "sa-a",
+            "--netns",
+            pod_netns_path,
+        )
         assert code == 0, reply
         (ack,) = reply["acks"]
         assert ack["ok"] and ack["request"] == "add" and ack["uid"] == "uid-a"
@@ -145,8 +159,20 @@ def test_cli_reports_bad_input_and_an_unreachable_agent(agent_process, tmp_path)
     control = ready["control"]
     plain = tmp_path / "plain-file"
     plain.write_text("")
-    reply, _, code = yield cli(control, "add", "--uid", "u", "--name", "n", "--namespace", "ns",
-                               "--service-account", "sa", "--netns", str(plain))
+    reply, _, code = yield cli(
+        control,
+        "add",
+        "--uid",
+        "u",
+        "--name",
+        "n",
+        "--namespace",
+        "ns",
+        "--service-account",
+        "sa",
+        "--netns",
+        str(plain),
+    )
     assert code == 2
     assert "is not a network namespace" in reply["error"]
 

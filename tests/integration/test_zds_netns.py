@@ -106,8 +106,9 @@ def test_listener_inside_a_pod_namespace_serves_a_connection_made_inside_it(pod_
         assert f"{POD_IP}:{port_number}" in listeners
         client_sock = yield connecting_socket_in(netns, POD_IP, mark=1337)
         assert client_sock.getsockopt(socket.SOL_SOCKET, socket.SO_MARK) == 1337
-        client = yield connect_socket(reactor, client_sock, (POD_IP, port_number),
-                                      protocol.Factory.forProtocol(Collect), timeout=5)
+        client = yield connect_socket(
+            reactor, client_sock, (POD_IP, port_number), protocol.Factory.forProtocol(Collect), timeout=5
+        )
         client.transport.write(b"ping through the pod namespace\n")
         assert (yield client.done.addTimeout(5, reactor)) == b"ping through the pod namespace\n"
         client.transport.loseConnection()

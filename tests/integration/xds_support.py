@@ -25,8 +25,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def deny_policy(name: str, service_account: str) -> str:
     """A mesh YAML ``policies:`` entry: a WorkloadSelector Deny of ``default/<service_account>``'s identity."""
-    return (f"- name: {name}\n  namespace: default\n  scope: WorkloadSelector\n  action: Deny\n  rules:\n"
-            f'  - - - principals: ["spiffe://cluster.local/ns/default/sa/{service_account}"]\n')
+    return (
+        f"- name: {name}\n  namespace: default\n  scope: WorkloadSelector\n  action: Deny\n  rules:\n"
+        f'  - - - principals: ["spiffe://cluster.local/ns/default/sa/{service_account}"]\n'
+    )
 
 
 def in_netns(netns: str | None, argv: list[str]) -> list[str]:

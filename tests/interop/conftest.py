@@ -146,7 +146,9 @@ def echo_through(sock: socket.socket, payload: bytes, pause_at: int | None = Non
 def describe_mismatch(received: bytes, payload: bytes) -> str:
     if received == payload:
         return "identical"
-    first = next((i for i, (a, b) in enumerate(zip(received, payload, strict=False)) if a != b), min(len(received), len(payload)))
+    first = next(
+        (i for i, (a, b) in enumerate(zip(received, payload, strict=False)) if a != b), min(len(received), len(payload))
+    )
     return f"received {len(received)} of {len(payload)} bytes, first difference at offset {first}"
 
 

@@ -54,7 +54,9 @@ def find_node() -> str:
         raise PeerMissing(f"Node.js at {candidate} does not run: {e}") from e
     major = int(version.lstrip("v").split(".")[0]) if version.startswith("v") else 0
     if major < MIN_NODE_MAJOR:
-        raise PeerMissing(f"Node.js at {candidate} is {version or 'of unknown version'}; the interop tests need >= {MIN_NODE_MAJOR}")
+        raise PeerMissing(
+            f"Node.js at {candidate} is {version or 'of unknown version'}; the interop tests need >= {MIN_NODE_MAJOR}"
+        )
     return candidate
 
 
@@ -177,7 +179,9 @@ class PeerProcess:
             if events:
                 return events[0]
             if exited:
-                raise PeerFailed(f"{self.name} exited ({self._exit_text()}) before reporting {kind!r}:\n{self.log_tail()}")
+                raise PeerFailed(
+                    f"{self.name} exited ({self._exit_text()}) before reporting {kind!r}:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
                 raise PeerFailed(f"{self.name} did not report {kind!r} within {timeout} s:\n{self.log_tail()}")
             time.sleep(0.05)
@@ -261,12 +265,17 @@ class EnvoyPeer(PeerProcess):
         self.config_path.write_text(string.Template(template.read_text()).substitute(values))
         argv = [
             envoy,
-            "--config-path", str(self.config_path),
-            "--base-id", str(base_id),
-            "--concurrency", "1",
-            "--log-level", os.environ.get("ZTWISTED_ENVOY_LOG_LEVEL", "info"),
+            "--config-path",
+            str(self.config_path),
+            "--base-id",
+            str(base_id),
+            "--concurrency",
+            "1",
+            "--log-level",
+            os.environ.get("ZTWISTED_ENVOY_LOG_LEVEL", "info"),
             # Access log lines reach the file quickly, so tests can read them.
-            "--file-flush-interval-msec", "100",
+            "--file-flush-interval-msec",
+            "100",
             *extra_args,
         ]
         super().__init__(name, argv, workdir / f"{name}.log")

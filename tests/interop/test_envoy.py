@@ -146,14 +146,18 @@ def test_envoy_client_multiplexes_concurrent_tunnels(ztwisted_node, zt_echo_app,
         thread.join(30)
     for index in range(tunnels):
         assert results.get(index) == payloads[index], f"tunnel {index}: " + (
-            describe_mismatch(results[index], payloads[index]) if isinstance(results.get(index), bytes) else repr(results.get(index))
+            describe_mismatch(results[index], payloads[index])
+            if isinstance(results.get(index), bytes)
+            else repr(results.get(index))
         )
     # Envoy's HTTP/2 pool put every tunnel on one connection to ztwisted.
     assert stat(envoy, "cluster.hbone.upstream_cx_total") == 1
     assert zt_echo_app.connections == tunnels
 
 
-def test_envoy_client_to_server_first_app_then_lockstep_beyond_window(ztwisted_node, zt_banner_app, envoy_peer, credentials):
+def test_envoy_client_to_server_first_app_then_lockstep_beyond_window(
+    ztwisted_node, zt_banner_app, envoy_peer, credentials
+):
     start_envoy_client(envoy_peer, credentials)
     with connect_app_to_envoy() as sock:
         # The app speaks first: its bytes cross ztwisted's inbound right behind the 200.
@@ -166,7 +170,9 @@ def test_envoy_client_idle_tunnel_survives_keepalive_pings(ztwisted_node, zt_ech
     envoy = start_envoy_client(envoy_peer, credentials)
     payload = os.urandom(PAYLOAD_SIZE)
     with connect_app_to_envoy() as sock:
-        received = echo_through(sock, payload, pause_at=PAYLOAD_SIZE // 2, during_pause=lambda: time.sleep(IDLE_SECONDS))
+        received = echo_through(
+            sock, payload, pause_at=PAYLOAD_SIZE // 2, during_pause=lambda: time.sleep(IDLE_SECONDS)
+        )
     assert received == payload, describe_mismatch(received, payload)
     # Envoy PINGed every second during the pause; ztwisted answered every one.
     assert stat(envoy, "cluster.hbone.http2.keepalive_timeout") == 0
@@ -222,17 +228,23 @@ def test_outbound_to_envoy_server_byte_exact(ztwisted_node, peer_echo_app, envoy
     assert entry["bytes_received"] == PAYLOAD_SIZE and entry["bytes_sent"] == PAYLOAD_SIZE
 
 
-def test_outbound_idle_tunnel_to_envoy_server_survives_keepalive_pings(ztwisted_node, peer_echo_app, envoy_peer, credentials):
+def test_outbound_idle_tunnel_to_envoy_server_survives_keepalive_pings(
+    ztwisted_node, peer_echo_app, envoy_peer, credentials
+):
     envoy = start_envoy_server(envoy_peer, credentials)
     payload = os.urandom(PAYLOAD_SIZE)
     with socks5_connect(ztwisted_node.socks5, ZT_CLIENT_IP, PEER_SERVER_IP, APP_PORT) as sock:
-        received = echo_through(sock, payload, pause_at=PAYLOAD_SIZE // 2, during_pause=lambda: time.sleep(IDLE_SECONDS))
+        received = echo_through(
+            sock, payload, pause_at=PAYLOAD_SIZE // 2, during_pause=lambda: time.sleep(IDLE_SECONDS)
+        )
     assert received == payload, describe_mismatch(received, payload)
     assert stat(envoy, "http2.keepalive_timeout") == 0
     assert stat(envoy, "http.hbone_in.downstream_cx_total") == 1
 
 
-def test_outbound_refusal_by_envoy_server_leaves_connection_usable(ztwisted_node, peer_echo_app, envoy_peer, credentials):
+def test_outbound_refusal_by_envoy_server_leaves_connection_usable(
+    ztwisted_node, peer_echo_app, envoy_peer, credentials
+):
     envoy = start_envoy_server(envoy_peer, credentials)
     # Envoy routes only its workload's app port; any other authority gets 404.
     with pytest.raises(Socks5Refused) as refused:

@@ -40,11 +40,12 @@ CLIENT_TIMEOUT = 30.0
 MAX_STREAM_ID = 2**31 - 1
 
 
-
 class NodeClientRun:
     """A Node.js HBONE client aimed at ztwisted's inbound of workload ``echo``."""
 
-    def __init__(self, node_peer, tmp_path, credentials: PeerCredentials, *, authority: str, name="node-client", **options):
+    def __init__(
+        self, node_peer, tmp_path, credentials: PeerCredentials, *, authority: str, name="node-client", **options
+    ):
         self.payload = os.urandom(options.pop("payload_size", PAYLOAD_SIZE))
         payload_path = tmp_path / f"{name}-payload.bin"
         payload_path.write_bytes(self.payload)
@@ -97,33 +98,45 @@ def test_node_client_tunnels_through_inbound_byte_exact(ztwisted_node, zt_echo_a
     assert_peer_client_counted(ztwisted_node)
 
 
-def test_node_client_multiplexes_tunnels_on_one_connection(ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path):
+def test_node_client_multiplexes_tunnels_on_one_connection(
+    ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path
+):
     tunnels = 8
     run = NodeClientRun(node_peer, tmp_path, credentials(PEER_CLIENT_ID), authority=echo_authority(), tunnels=tunnels)
     assert run.wait() == 0, f"Node.js client failed: {run.peer.events('error')}"
     for index in range(tunnels):
-        assert run.received(index) == run.payload, f"tunnel {index}: {describe_mismatch(run.received(index), run.payload)}"
+        assert run.received(index) == run.payload, (
+            f"tunnel {index}: {describe_mismatch(run.received(index), run.payload)}"
+        )
     results = run.peer.events("done")[0]["tunnels"]
     assert len({r["streamId"] for r in results}) == tunnels
     assert len(run.peer.events("connected")) == 1
     assert zt_echo_app.connections == tunnels
 
 
-def test_node_client_with_intermediate_ca_chain(start_ztwisted, intermediate_ca, zt_echo_app, node_peer, credentials, tmp_path):
+def test_node_client_with_intermediate_ca_chain(
+    start_ztwisted, intermediate_ca, zt_echo_app, node_peer, credentials, tmp_path
+):
     start_ztwisted("--ca-dir", str(tmp_path / "plug-in-ca"))
-    run = NodeClientRun(node_peer, tmp_path, credentials(PEER_CLIENT_ID, issuer=intermediate_ca), authority=echo_authority())
+    run = NodeClientRun(
+        node_peer, tmp_path, credentials(PEER_CLIENT_ID, issuer=intermediate_ca), authority=echo_authority()
+    )
     assert run.wait() == 0, f"Node.js client failed: {run.peer.events('error')}"
     assert run.received() == run.payload, describe_mismatch(run.received(), run.payload)
 
 
-def test_node_client_connect_to_address_not_served_gets_400(ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path):
+def test_node_client_connect_to_address_not_served_gets_400(
+    ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path
+):
     run = NodeClientRun(node_peer, tmp_path, credentials(PEER_CLIENT_ID), authority=f"{PEER_SERVER_IP}:{APP_PORT}")
     assert run.wait() == 1
     assert [e["status"] for e in run.peer.events("response")] == [400]
     assert zt_echo_app.connections == 0
 
 
-def test_node_client_with_certificate_from_another_ca_is_refused(ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path):
+def test_node_client_with_certificate_from_another_ca_is_refused(
+    ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path
+):
     foreign_ca = create_files(tmp_path / "foreign-ca", intermediate=False, organization="elsewhere")
     foreign = credentials(PEER_CLIENT_ID, issuer=foreign_ca)
     # Trust ztwisted's roots, so only ztwisted's verification of the client can fail.
@@ -137,7 +150,9 @@ def test_node_client_with_certificate_from_another_ca_is_refused(ztwisted_node, 
 
 
 def test_node_client_reset_ends_only_its_tunnel(ztwisted_node, zt_echo_app, node_peer, credentials, tmp_path):
-    run = NodeClientRun(node_peer, tmp_path, credentials(PEER_CLIENT_ID), authority=echo_authority(), tunnels=2, resetTunnels=[0])
+    run = NodeClientRun(
+        node_peer, tmp_path, credentials(PEER_CLIENT_ID), authority=echo_authority(), tunnels=2, resetTunnels=[0]
+    )
     assert run.wait() == 0, f"Node.js client failed: {run.peer.events('error')}"
     reset, _completed = run.peer.events("done")[0]["tunnels"]
     assert reset["reset"] is True
@@ -147,12 +162,16 @@ def test_node_client_reset_ends_only_its_tunnel(ztwisted_node, zt_echo_app, node
         ztwisted_node, "istio_tcp_connections_closed_total", 2, reporter="destination", destination_workload="echo"
     )
     assert closed == 2
-    errors = [e.get("error") for e in ztwisted_node.log_events() if e.get("direction") == "inbound" and "bytes_sent" in e]
+    errors = [
+        e.get("error") for e in ztwisted_node.log_events() if e.get("direction") == "inbound" and "bytes_sent" in e
+    ]
     assert len(errors) == 2 and errors.count(None) == 1, errors
     assert "reset" in next(e for e in errors if e is not None)
 
 
-def test_node_client_stream_finishes_while_ztwisted_drains(start_ztwisted, zt_echo_app, node_peer, credentials, tmp_path):
+def test_node_client_stream_finishes_while_ztwisted_drains(
+    start_ztwisted, zt_echo_app, node_peer, credentials, tmp_path
+):
     node = start_ztwisted("--drain-timeout", "15")
     run = NodeClientRun(
         node_peer, tmp_path, credentials(PEER_CLIENT_ID), authority=echo_authority(), holdAfterBytes=PAYLOAD_SIZE // 4
@@ -238,7 +257,9 @@ def test_outbound_to_node_server_byte_exact(ztwisted_node, peer_echo_app, node_p
     assert request["headers"]["forwarded"].startswith(f'for="{ZT_CLIENT_IP}:')
 
 
-def test_outbound_to_node_server_with_intermediate_ca_chain(start_ztwisted, intermediate_ca, peer_echo_app, node_peer, credentials, tmp_path):
+def test_outbound_to_node_server_with_intermediate_ca_chain(
+    start_ztwisted, intermediate_ca, peer_echo_app, node_peer, credentials, tmp_path
+):
     node = start_ztwisted("--ca-dir", str(tmp_path / "plug-in-ca"))
     server = start_node_server(node_peer, credentials, issuer=intermediate_ca)
     payload = os.urandom(PAYLOAD_SIZE)

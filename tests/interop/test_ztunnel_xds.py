@@ -42,8 +42,10 @@ TOKEN = "lab-service-account-token"
 
 
 def workload(name: str, ip: str, node: str, extra: str = "") -> str:
-    return (f"- uid: Kubernetes//v1/Pod/default/{name}\n  name: {name}\n  namespace: default\n"
-            f"  serviceAccount: {name}\n  workloadIps: [\"{ip}\"]\n  protocol: HBONE\n  node: {node}\n{extra}")
+    return (
+        f"- uid: Kubernetes//v1/Pod/default/{name}\n  name: {name}\n  namespace: default\n"
+        f'  serviceAccount: {name}\n  workloadIps: ["{ip}"]\n  protocol: HBONE\n  node: {node}\n{extra}'
+    )
 
 
 MESH = (
@@ -60,8 +62,9 @@ MESH = (
 
 
 def ztunnel_binary() -> str:
-    found = subprocess.run([sys.executable, "tests/peers/ztunnel_build.py", "--where"], cwd=REPO_ROOT,
-                           capture_output=True, text=True)
+    found = subprocess.run(
+        [sys.executable, "tests/peers/ztunnel_build.py", "--where"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
     if found.returncode != 0 or not found.stdout.strip():
         pytest.skip("ztunnel is not built: python3 tests/peers/ztunnel_build.py")
     return found.stdout.strip().splitlines()[-1]
@@ -93,11 +96,13 @@ def lab(tmp_path):
         pytest.skip(reason)
     binary = ztunnel_binary()
     remove_leftover_namespaces(PREFIX)
-    network = PodNetworkLab(PREFIX).build([
-        ("cp", CP_IP, "", "control-plane"),
-        ("zt", ZTPOD_IP, "Kubernetes//v1/Pod/default/ztpod", "ztpod"),
-        ("tw", ECHO_IP, "Kubernetes//v1/Pod/default/echo", "echo"),
-    ])
+    network = PodNetworkLab(PREFIX).build(
+        [
+            ("cp", CP_IP, "", "control-plane"),
+            ("zt", ZTPOD_IP, "Kubernetes//v1/Pod/default/ztpod", "ztpod"),
+            ("tw", ECHO_IP, "Kubernetes//v1/Pod/default/echo", "echo"),
+        ]
+    )
     tw = network.pods["tw"]
     for ip in (SINK_IP, CLIENT_IP, INTRUDER_IP):
         tw.run("ip", "addr", "add", f"{ip}/24", "dev", "eth0")
@@ -105,29 +110,64 @@ def lab(tmp_path):
     mesh.write_text(MESH)
     started = []
     try:
-        plane = ControlPlaneProcess(tmp_path, mesh, listen=f"{CP_IP}:15012", api=f"{CP_IP}:15014",
-                             netns=network.pods["cp"].netns, extra=("--token", TOKEN)).start()
+        plane = ControlPlaneProcess(
+            tmp_path,
+            mesh,
+            listen=f"{CP_IP}:15012",
+            api=f"{CP_IP}:15014",
+            netns=network.pods["cp"].netns,
+            extra=("--token", TOKEN),
+        ).start()
         started.append(plane)
         apps = [start_echo(network.pods["zt"]), start_echo(tw), App(tw, "echo", SINK_IP, "8080")]
         assert apps[-1].read_event() == {"event": "listening"}
         started += apps
         ztunnel_log = open(tmp_path / "ztunnel.log", "ab")
         env = {
-            "PATH": "/usr/bin:/bin", "XDS_ADDRESS": XDS, "CA_ADDRESS": XDS,
-            "XDS_ROOT_CA": str(plane.root_cert), "CA_ROOT_CA": str(plane.root_cert),
-            "PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "default/ztpod/ztpod", "NODE_NAME": "node-z",
-            "UNSTABLE_ENABLE_SOCKS5": "true", "POD_NAME": "ztunnel-z", "POD_NAMESPACE": "istio-system",
-            "RUST_LOG": "info", "AUTH_TOKEN": TOKEN, "CLUSTER_ID": "lab-cluster",
+            "PATH": "/usr/bin:/bin",
+            "XDS_ADDRESS": XDS,
+            "CA_ADDRESS": XDS,
+            "XDS_ROOT_CA": str(plane.root_cert),
+            "CA_ROOT_CA": str(plane.root_cert),
+            "PROXY_MODE": "dedicated",
+            "PROXY_WORKLOAD_INFO": "default/ztpod/ztpod",
+            "NODE_NAME": "node-z",
+            "UNSTABLE_ENABLE_SOCKS5": "true",
+            "POD_NAME": "ztunnel-z",
+            "POD_NAMESPACE": "istio-system",
+            "RUST_LOG": "info",
+            "AUTH_TOKEN": TOKEN,
+            "CLUSTER_ID": "lab-cluster",
             # In dedicated mode ztunnel would dial the app from the client's address (IP_TRANSPARENT), which
             # needs routing that sends the reply back through it; this lab has none.
             "ENABLE_ORIG_SRC": "false",
         }
-        ztunnel = subprocess.Popen(in_netns(network.pods["zt"].netns, [binary]), env=env, cwd=tmp_path,
-                                   stdout=ztunnel_log, stderr=subprocess.STDOUT)
-        node = NodeInNetns(tw.netns, tmp_path / "tw", name="node-t", control_ip="127.0.0.1", node="node-t",
-                           extra_args=("--xds-address", XDS, "--xds-root-ca", str(plane.root_cert),
-                                       "--ca-root-ca", str(plane.root_cert), "--auth-token", TOKEN,
-                                       "--cluster-id", "lab-cluster"))
+        ztunnel = subprocess.Popen(
+            in_netns(network.pods["zt"].netns, [binary]),
+            env=env,
+            cwd=tmp_path,
+            stdout=ztunnel_log,
+            stderr=subprocess.STDOUT,
+        )
+        node = NodeInNetns(
+            tw.netns,
+            tmp_path / "tw",
+            name="node-t",
+            control_ip="127.0.0.1",
+            node="node-t",
+            extra_args=(
+                "--xds-address",
+                XDS,
+                "--xds-root-ca",
+                str(plane.root_cert),
+                "--ca-root-ca",
+                str(plane.root_cert),
+                "--auth-token",
+                TOKEN,
+                "--cluster-id",
+                "lab-cluster",
+            ),
+        )
         node.start()
         started.append(node)
         zt_ns = network.pods["zt"].netns
@@ -142,8 +182,14 @@ def lab(tmp_path):
 
         wait_until(ztunnel_ready, timeout=30, what="ztunnel ready")
         wait_until(lambda: node.http("readiness", "/healthz/ready")[0] == 200, timeout=30, what="ztwisted ready")
-        yield {"network": network, "plane": plane, "node": node, "zt_ns": zt_ns, "tw_ns": tw.netns,
-               "ztunnel_log": tmp_path / "ztunnel.log"}
+        yield {
+            "network": network,
+            "plane": plane,
+            "node": node,
+            "zt_ns": zt_ns,
+            "tw_ns": tw.netns,
+            "ztunnel_log": tmp_path / "ztunnel.log",
+        }
     finally:
         if "ztunnel" in locals() and ztunnel.poll() is None:
             ztunnel.terminate()
@@ -175,7 +221,8 @@ def test_ztunnel_and_ztwisted_serve_the_same_mesh_from_the_lab_control_plane(lab
     assert workloads(ztunnel_dump["workloads"]) == workloads(ztwisted_dump["workloads"])
     assert len(ztunnel_dump["workloads"]) == 5
     assert sorted(f"{p['namespace']}/{p['name']}" for p in ztunnel_dump["policies"]) == sorted(
-        f"{p['namespace']}/{p['name']}" for p in ztwisted_dump["policies"])
+        f"{p['namespace']}/{p['name']}" for p in ztwisted_dump["policies"]
+    )
     streams = lab["plane"].state()["streams"]
     nodes = {s["node"] for s in streams if s["open"]}
     assert "ztunnel~1.1.1.1~ztunnel-z.istio-system~istio-system.svc.cluster.local" in nodes
@@ -191,14 +238,20 @@ def test_traffic_both_ways_is_allowed_and_denied_by_policies_from_xds(lab):
     denied = socks_echo(lab["zt_ns"], "127.0.0.1:15080", ZTPOD_IP, SINK_IP, 8080)
     # ztunnel's SOCKS5 answers before the tunnel is up, so its client sees a reset; ztwisted says why
     assert not denied["ok"], denied
-    assert any(e.get("error") == "denied by policy default/sink-deny-ztpod" and e.get("src.identity", "").endswith("/sa/ztpod")
-               for e in lab["node"].log_events())
+    assert any(
+        e.get("error") == "denied by policy default/sink-deny-ztpod" and e.get("src.identity", "").endswith("/sa/ztpod")
+        for e in lab["node"].log_events()
+    )
     # ztwisted -> ztunnel: client allowed, intruder denied by ztpod's policy (enforced by ztunnel)
     assert socks_echo(lab["tw_ns"], "127.0.0.1:15080", CLIENT_IP, ZTPOD_IP, 8080) == {"ok": True, "error": ""}
     refused = socks_echo(lab["tw_ns"], "127.0.0.1:15080", INTRUDER_IP, ZTPOD_IP, 8080)
     assert not refused["ok"] and "refused" in refused["error"], refused
     # both got their certificates from the control plane's CA, by CSR, for their own identities
     signed = {san for entry in lab["plane"].state()["signed"] for san in entry["sans"]}
-    assert {"spiffe://cluster.local/ns/default/sa/ztpod", "spiffe://cluster.local/ns/default/sa/client",
-            "spiffe://cluster.local/ns/default/sa/echo", "spiffe://cluster.local/ns/default/sa/sink",
-            "spiffe://cluster.local/ns/default/sa/intruder"} <= signed
+    assert {
+        "spiffe://cluster.local/ns/default/sa/ztpod",
+        "spiffe://cluster.local/ns/default/sa/client",
+        "spiffe://cluster.local/ns/default/sa/echo",
+        "spiffe://cluster.local/ns/default/sa/sink",
+        "spiffe://cluster.local/ns/default/sa/intruder",
+    } <= signed

@@ -80,8 +80,7 @@ def drop_boring(cargo_toml: Path) -> None:
     kept = [
         line
         for line in lines
-        if not re.match(r"\s*boring-rustls-provider\s*=", line)
-        and not re.match(r"\s*tls-boring\s*=", line)
+        if not re.match(r"\s*boring-rustls-provider\s*=", line) and not re.match(r"\s*tls-boring\s*=", line)
     ]
     cargo_toml.write_text("".join(kept))
 

@@ -13,8 +13,12 @@ OTHER = SpiffeId("cluster.local", "prod", "other")
 FOREIGN = SpiffeId("example.org", "default", "client")
 
 ECHO = Workload(
-    uid="Kubernetes//v1/Pod/default/echo", name="echo", namespace="default",
-    service_account="echo", workload_ips=["127.0.3.1"], protocol="HBONE",
+    uid="Kubernetes//v1/Pod/default/echo",
+    name="echo",
+    namespace="default",
+    service_account="echo",
+    workload_ips=["127.0.3.1"],
+    protocol="HBONE",
     authorization_policies=["default/selected"],
 )
 
@@ -28,11 +32,16 @@ def one(**match):
     return [[[Match(**match)]]]
 
 
-def check(policies, source=CLIENT, source_ip="127.0.2.1", destination=ECHO,
-          destination_ip="127.0.3.1", destination_port=8080):
+def check(
+    policies, source=CLIENT, source_ip="127.0.2.1", destination=ECHO, destination_ip="127.0.3.1", destination_port=8080
+):
     return authorize(
-        policies, source=source, source_ip=ip_address(source_ip), destination=destination,
-        destination_ip=ip_address(destination_ip), destination_port=destination_port,
+        policies,
+        source=source,
+        source_ip=ip_address(source_ip),
+        destination=destination,
+        destination_ip=ip_address(destination_ip),
+        destination_port=destination_port,
     )
 
 
@@ -181,6 +190,5 @@ def test_empty_structures_like_ztunnel():
     ],
 )
 def test_match_truth_table(match, source, source_ip, dest_ip, port, expected):
-    d = check([policy(one(**match))], source=source, source_ip=source_ip,
-              destination_ip=dest_ip, destination_port=port)
+    d = check([policy(one(**match))], source=source, source_ip=source_ip, destination_ip=dest_ip, destination_port=port)
     assert d.allowed is expected

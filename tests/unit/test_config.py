@@ -109,15 +109,25 @@ def test_builtin_example_parses_and_describes_two_nodes():
     client = mesh.workload_by_ip("127.0.2.1")
     echo = mesh.workload_by_ip("127.0.3.1")
     assert (client.node, str(client.identity)) == ("node-a", "spiffe://cluster.local/ns/default/sa/client")
-    assert (echo.node, str(echo.identity), echo.protocol) == ("node-b", "spiffe://cluster.local/ns/default/sa/echo", "HBONE")
+    assert (echo.node, str(echo.identity), echo.protocol) == (
+        "node-b",
+        "spiffe://cluster.local/ns/default/sa/echo",
+        "HBONE",
+    )
     assert mesh.local_workloads(None) == (client, echo)
     dest = mesh.resolve("127.10.0.1", 80)
     assert (dest.kind, dest.workload, dest.ip, dest.port) == ("service", echo, ip_address("127.0.3.1"), 8080)
     assert mesh.service_by_vip("127.10.0.1").hostname == "echo.default.svc.cluster.local"
 
     def may_reach_echo(source):
-        return authorize(mesh.policies, source=source, source_ip=ip_address("127.0.2.1"), destination=echo,
-                         destination_ip=ip_address("127.0.3.1"), destination_port=8080).allowed
+        return authorize(
+            mesh.policies,
+            source=source,
+            source_ip=ip_address("127.0.2.1"),
+            destination=echo,
+            destination_ip=ip_address("127.0.3.1"),
+            destination_port=8080,
+        ).allowed
 
     assert may_reach_echo(client.identity)
     assert not may_reach_echo(SpiffeId("cluster.local", "default", "intruder"))
@@ -171,7 +181,8 @@ def test_a_file_without_a_document_is_an_error_not_an_empty_mesh(text):
 
 
 def test_workload_defaults_and_optional_fields():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         workloads:
         - name: a
           namespace: default
@@ -193,7 +204,8 @@ def test_workload_defaults_and_optional_fields():
           authorizationPolicies: ["default/sel"]
         policies:
         - {name: sel, namespace: default, scope: WorkloadSelector, action: Deny, rules: [], dryRun: true}
-        """))
+        """)
+    )
     a, b = mesh.workloads
     assert a.uid == "Kubernetes//v1/Pod/default/a"
     assert (a.service_account, a.protocol, a.node, a.network, a.status) == ("default", "TCP", "", "", "Healthy")
@@ -201,7 +213,12 @@ def test_workload_defaults_and_optional_fields():
     assert b.uid == "my-uid"
     assert str(b.identity) == "spiffe://cluster.local/ns/default/sa/b-sa"
     assert (b.cluster_id, b.canonical_name, b.canonical_revision, b.status) == ("c1", "b-app", "v2", "Unhealthy")
-    assert (b.workload_name, b.workload_type, b.hostname, b.native_tunnel) == ("b-deploy", "deployment", "b.example", True)
+    assert (b.workload_name, b.workload_type, b.hostname, b.native_tunnel) == (
+        "b-deploy",
+        "deployment",
+        "b.example",
+        True,
+    )
     assert b.authorization_policies == ("default/sel",)
     assert mesh.policies[0].dry_run is True
 
@@ -212,7 +229,8 @@ def test_uid_default_uses_cluster_id():
 
 
 def test_match_forms():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         policies:
         - name: p
           namespace: default
@@ -241,7 +259,8 @@ def test_match_forms():
                 notDestinationIps: ["127.0.3.9"]
                 destinationPorts: [80, "8080"]
                 notDestinationPorts: [9999]
-        """))
+        """)
+    )
     m = mesh.policies[0].rules[0][0][0]
     assert m.principals == (
         StringMatch("exact", "cluster.local/ns/default/sa/client"),
@@ -275,101 +294,197 @@ def test_match_forms():
     "text, expected",
     [
         # bad values
-        ("workloads:\n" + GOOD_WORKLOAD + "- {name: b, namespace: default, workloadIps: ['10.0.0.300']}",
-         "mesh.yaml: workloads[1].workloadIps[0]: '10.0.0.300' is not an IP address"),
-        ("workloads: [{name: b, namespace: default, workloadIps: [10]}]",
-         "mesh.yaml: workloads[0].workloadIps[0]: expected an IP address, got an integer (10)"),
-        ("workloads: [{name: b, namespace: default, workloadIps: '10.0.0.1'}]",
-         "mesh.yaml: workloads[0].workloadIps: expected a list, got a string ('10.0.0.1')"),
-        ("workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], protocol: HTTP}]",
-         "mesh.yaml: workloads[0].protocol: 'HTTP' is not one of HBONE, TCP"),
-        ("workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], status: 1}]",
-         "mesh.yaml: workloads[0].status: an integer (1) is not one of Healthy, Unhealthy"),
-        ("workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], nativeTunnel: 'yes'}]",
-         "mesh.yaml: workloads[0].nativeTunnel: expected true or false, got a string ('yes')"),
-        ("workloads: [{name: 7, namespace: default, workloadIps: ['10.0.0.1']}]",
-         "mesh.yaml: workloads[0].name: expected a string, got an integer (7)"),
-        ("workloads: [{name: a, namespace: 'my ns', workloadIps: ['10.0.0.1']}]",
-         "mesh.yaml: workloads[0].namespace: namespace 'my ns' may only contain letters, digits, '.', '-' and '_'"),
-        ("workloads: [{name: a, namespace: ns, serviceAccount: 'a/b', workloadIps: ['10.0.0.1']}]",
-         ("mesh.yaml: workloads[0].serviceAccount: service account 'a/b' may only contain letters, digits, '.', '-'"
-         " and '_'")),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'echo': {80: 8080}}}]",
-         "mesh.yaml: workloads[0].services[\"echo\"]: 'echo' is not \"namespace/hostname\""),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 70000}}}]",
-         "mesh.yaml: workloads[0].services[\"ns/echo\"][80]: 70000 is not a port number (1-65535)"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {0: 80}}}]",
-         "mesh.yaml: workloads[0].services[\"ns/echo\"][0]: 0 is not a port number (1-65535)"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [nope]}]",
-         "mesh.yaml: workloads[0].authorizationPolicies[0]: 'nope' is not \"namespace/name\""),
-        ("services: [{name: s, namespace: ns, hostname: h, vips: ['net/1.2.3'], ports: {80: 8080}}]",
-         "mesh.yaml: services[0].vips[0]: 'net/1.2.3' is not \"network/ip\" (e.g. \"/10.0.0.1\")"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {80: true}}]",
-         "mesh.yaml: services[0].ports[80]: expected a port number, got a boolean (true)"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: [80]}]",
-         "mesh.yaml: services[0].ports: expected a mapping, got a list"),
-        ("policies: [{name: p, namespace: ns, scope: Cluster, action: Allow, rules: []}]",
-         "mesh.yaml: policies[0].scope: 'Cluster' is not one of Global, Namespace, WorkloadSelector"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: ALLOW, rules: []}]",
-         "mesh.yaml: policies[0].action: 'ALLOW' is not one of Allow, Deny"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[{sourceIps: []}]]}]",
-         "mesh.yaml: policies[0].rules[0][0]: expected a list, got a mapping"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{sourceIps: ['10.0.0.0/33']}]]]}]",
-         "mesh.yaml: policies[0].rules[0][0][0].sourceIps[0]: '10.0.0.0/33' is not an IP address or CIDR range"),
-        (("policies: [{name: p, namespace: ns, scope: Global, action: Allow,"
-         " rules: [[[{notDestinationPorts: [99999]}]]]}]"),
-         "mesh.yaml: policies[0].rules[0][0][0].notDestinationPorts[0]: 99999 is not a port number (1-65535)"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principals: [{Regex: x}]}]]]}]",
-         "mesh.yaml: policies[0].rules[0][0][0].principals[0]: 'Regex' is not one of Exact, Prefix, Suffix, Presence"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principals: [{Exact: 3}]}]]]}]",
-         "mesh.yaml: policies[0].rules[0][0][0].principals[0]: Exact needs a string, got an integer (3)"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{serviceAccounts: [sa]}]]]}]",
-         "mesh.yaml: policies[0].rules[0][0][0].serviceAccounts[0]: 'sa' is not \"namespace/serviceAccount\""),
-        (("policies: [{name: p, namespace: ns, scope: Global, action: Allow,"
-         " rules: [[[{serviceAccounts: [{namespace: a}]}]]]}]"),
-         ("mesh.yaml: policies[0].rules[0][0][0].serviceAccounts[0]: missing 'serviceAccount'; "
-         "expected namespace and serviceAccount")),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, dryRun: 1, rules: []}]",
-         "mesh.yaml: policies[0].dryRun: expected true or false, got an integer (1)"),
+        (
+            "workloads:\n" + GOOD_WORKLOAD + "- {name: b, namespace: default, workloadIps: ['10.0.0.300']}",
+            "mesh.yaml: workloads[1].workloadIps[0]: '10.0.0.300' is not an IP address",
+        ),
+        (
+            "workloads: [{name: b, namespace: default, workloadIps: [10]}]",
+            "mesh.yaml: workloads[0].workloadIps[0]: expected an IP address, got an integer (10)",
+        ),
+        (
+            "workloads: [{name: b, namespace: default, workloadIps: '10.0.0.1'}]",
+            "mesh.yaml: workloads[0].workloadIps: expected a list, got a string ('10.0.0.1')",
+        ),
+        (
+            "workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], protocol: HTTP}]",
+            "mesh.yaml: workloads[0].protocol: 'HTTP' is not one of HBONE, TCP",
+        ),
+        (
+            "workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], status: 1}]",
+            "mesh.yaml: workloads[0].status: an integer (1) is not one of Healthy, Unhealthy",
+        ),
+        (
+            "workloads: [{name: b, namespace: default, workloadIps: ['10.0.0.1'], nativeTunnel: 'yes'}]",
+            "mesh.yaml: workloads[0].nativeTunnel: expected true or false, got a string ('yes')",
+        ),
+        (
+            "workloads: [{name: 7, namespace: default, workloadIps: ['10.0.0.1']}]",
+            "mesh.yaml: workloads[0].name: expected a string, got an integer (7)",
+        ),
+        (
+            "workloads: [{name: a, namespace: 'my ns', workloadIps: ['10.0.0.1']}]",
+            "mesh.yaml: workloads[0].namespace: namespace 'my ns' may only contain letters, digits, '.', '-' and '_'",
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, serviceAccount: 'a/b', workloadIps: ['10.0.0.1']}]",
+            (
+                "mesh.yaml: workloads[0].serviceAccount: service account 'a/b' may only contain letters, digits, '.', '-'"
+                " and '_'"
+            ),
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'echo': {80: 8080}}}]",
+            'mesh.yaml: workloads[0].services["echo"]: \'echo\' is not "namespace/hostname"',
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 70000}}}]",
+            'mesh.yaml: workloads[0].services["ns/echo"][80]: 70000 is not a port number (1-65535)',
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {0: 80}}}]",
+            'mesh.yaml: workloads[0].services["ns/echo"][0]: 0 is not a port number (1-65535)',
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [nope]}]",
+            "mesh.yaml: workloads[0].authorizationPolicies[0]: 'nope' is not \"namespace/name\"",
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, vips: ['net/1.2.3'], ports: {80: 8080}}]",
+            'mesh.yaml: services[0].vips[0]: \'net/1.2.3\' is not "network/ip" (e.g. "/10.0.0.1")',
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, ports: {80: true}}]",
+            "mesh.yaml: services[0].ports[80]: expected a port number, got a boolean (true)",
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, ports: [80]}]",
+            "mesh.yaml: services[0].ports: expected a mapping, got a list",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Cluster, action: Allow, rules: []}]",
+            "mesh.yaml: policies[0].scope: 'Cluster' is not one of Global, Namespace, WorkloadSelector",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: ALLOW, rules: []}]",
+            "mesh.yaml: policies[0].action: 'ALLOW' is not one of Allow, Deny",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[{sourceIps: []}]]}]",
+            "mesh.yaml: policies[0].rules[0][0]: expected a list, got a mapping",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{sourceIps: ['10.0.0.0/33']}]]]}]",
+            "mesh.yaml: policies[0].rules[0][0][0].sourceIps[0]: '10.0.0.0/33' is not an IP address or CIDR range",
+        ),
+        (
+            (
+                "policies: [{name: p, namespace: ns, scope: Global, action: Allow,"
+                " rules: [[[{notDestinationPorts: [99999]}]]]}]"
+            ),
+            "mesh.yaml: policies[0].rules[0][0][0].notDestinationPorts[0]: 99999 is not a port number (1-65535)",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principals: [{Regex: x}]}]]]}]",
+            "mesh.yaml: policies[0].rules[0][0][0].principals[0]: 'Regex' is not one of Exact, Prefix, Suffix, Presence",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principals: [{Exact: 3}]}]]]}]",
+            "mesh.yaml: policies[0].rules[0][0][0].principals[0]: Exact needs a string, got an integer (3)",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{serviceAccounts: [sa]}]]]}]",
+            "mesh.yaml: policies[0].rules[0][0][0].serviceAccounts[0]: 'sa' is not \"namespace/serviceAccount\"",
+        ),
+        (
+            (
+                "policies: [{name: p, namespace: ns, scope: Global, action: Allow,"
+                " rules: [[[{serviceAccounts: [{namespace: a}]}]]]}]"
+            ),
+            (
+                "mesh.yaml: policies[0].rules[0][0][0].serviceAccounts[0]: missing 'serviceAccount'; "
+                "expected namespace and serviceAccount"
+            ),
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow, dryRun: 1, rules: []}]",
+            "mesh.yaml: policies[0].dryRun: expected true or false, got an integer (1)",
+        ),
         # unknown, unsupported and missing keys
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], protocl: HBONE}]",
-         "mesh.yaml: workloads[0].protocl: unknown key (did you mean 'protocol'?)"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], colour: blue}]",
-         "mesh.yaml: workloads[0].colour: unknown key"),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], protocl: HBONE}]",
+            "mesh.yaml: workloads[0].protocl: unknown key (did you mean 'protocol'?)",
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], colour: blue}]",
+            "mesh.yaml: workloads[0].colour: unknown key",
+        ),
         # ztunnel's fields that ztwisted ignores are still checked as ztunnel checks them
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], waypoint: {destination: /10.0.0.9}}]",
-         "mesh.yaml: workloads[0].waypoint.hboneMtlsPort: required field is missing"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, loadBalancer: {mode: Strict, healthPolicy: AllowAll, routingPreferences: [Planet]}}]",
-         "mesh.yaml: services[0].loadBalancer.routingPreferences[0]: 'Planet' is not one of Region, Zone, Subzone, Node, Cluster, Network"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], capacity: -1}]",
-         "mesh.yaml: workloads[0].capacity: expected a whole number from 0 to 4294967295, got an integer (-1)"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, cidrVips: ['/10.0.0.0/8']}]",
-         "mesh.yaml: services[0].cidrVips[0]: expected {network: ..., cidr: ...}, got a string ('/10.0.0.0/8')"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, endpoints: {u: {workloadUid: u, port: {}}}}]",
-         "mesh.yaml: services[0].endpoints[\"u\"].status: required field is missing"),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}, visibility: Private}]",
-         "mesh.yaml: services[0].visibility: 'Private' is not one of Public, Namespace"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principal: [x]}]]]}]",
-         "mesh.yaml: policies[0].rules[0][0][0].principal: unknown key (did you mean 'principals'?)"),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], waypoint: {destination: /10.0.0.9}}]",
+            "mesh.yaml: workloads[0].waypoint.hboneMtlsPort: required field is missing",
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, ports: {}, loadBalancer: {mode: Strict, healthPolicy: AllowAll, routingPreferences: [Planet]}}]",
+            "mesh.yaml: services[0].loadBalancer.routingPreferences[0]: 'Planet' is not one of Region, Zone, Subzone, Node, Cluster, Network",
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], capacity: -1}]",
+            "mesh.yaml: workloads[0].capacity: expected a whole number from 0 to 4294967295, got an integer (-1)",
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, ports: {}, cidrVips: ['/10.0.0.0/8']}]",
+            "mesh.yaml: services[0].cidrVips[0]: expected {network: ..., cidr: ...}, got a string ('/10.0.0.0/8')",
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, ports: {}, endpoints: {u: {workloadUid: u, port: {}}}}]",
+            'mesh.yaml: services[0].endpoints["u"].status: required field is missing',
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, ports: {}, visibility: Private}]",
+            "mesh.yaml: services[0].visibility: 'Private' is not one of Public, Namespace",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: [[[{principal: [x]}]]]}]",
+            "mesh.yaml: policies[0].rules[0][0][0].principal: unknown key (did you mean 'principals'?)",
+        ),
         ("workload: []", "mesh.yaml: workload: unknown key (did you mean 'workloads'?)"),
         ("workloads: [{name: a, namespace: ns}]", "mesh.yaml: workloads[0].workloadIps: required field is missing"),
-        ("services: [{name: s, namespace: ns, hostname: h}]", "mesh.yaml: services[0].ports: required field is missing"),
-        ("policies: [{name: p, namespace: ns, scope: Global, action: Allow}]",
-         "mesh.yaml: policies[0].rules: required field is missing"),
+        (
+            "services: [{name: s, namespace: ns, hostname: h}]",
+            "mesh.yaml: services[0].ports: required field is missing",
+        ),
+        (
+            "policies: [{name: p, namespace: ns, scope: Global, action: Allow}]",
+            "mesh.yaml: policies[0].rules: required field is missing",
+        ),
         # wrong shapes
         ("workloads: {}", "mesh.yaml: workloads: expected a list, got a mapping"),
         ("workloads: [3]", "mesh.yaml: workloads[0]: expected a mapping, got an integer (3)"),
         ("just text", "mesh.yaml: (top level): expected a mapping, got a string ('just text')"),
-        ("- name: a\n  workloadIp: 127.0.0.1",
-         ("mesh.yaml: (top level): expected a mapping with workloads, services and policies, got a list "
-         "(the old ztunnel format that listed workloads only)")),
+        (
+            "- name: a\n  workloadIp: 127.0.0.1",
+            (
+                "mesh.yaml: (top level): expected a mapping with workloads, services and policies, got a list "
+                "(the old ztunnel format that listed workloads only)"
+            ),
+        ),
         # YAML itself
-        ("workloads: [", ("mesh.yaml: line 1, column 13: invalid YAML: expected the node content, but found "
-                         "'<stream end>' (while parsing a flow node)")),
-        ("workloads:\n- name: a\n  name: b\n",
-         "mesh.yaml: line 3, column 3: invalid YAML: duplicate key 'name' (while reading a mapping)"),
-        ("workloads: !Foo x", ("mesh.yaml: line 1, column 12: invalid YAML: could not determine a constructor "
-                              "for the tag '!Foo'")),
+        (
+            "workloads: [",
+            (
+                "mesh.yaml: line 1, column 13: invalid YAML: expected the node content, but found "
+                "'<stream end>' (while parsing a flow node)"
+            ),
+        ),
+        (
+            "workloads:\n- name: a\n  name: b\n",
+            "mesh.yaml: line 3, column 3: invalid YAML: duplicate key 'name' (while reading a mapping)",
+        ),
+        (
+            "workloads: !Foo x",
+            ("mesh.yaml: line 1, column 12: invalid YAML: could not determine a constructor for the tag '!Foo'"),
+        ),
     ],
 )
 def test_error_messages(text, expected):
@@ -408,7 +523,9 @@ def test_error_carries_source_and_problems():
 
 def test_load_config_names_the_file_as_given(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "mesh.yaml").write_text("workloads:\n" + GOOD_WORKLOAD + "- {name: b, namespace: d, workloadIps: [x]}\n")
+    (tmp_path / "mesh.yaml").write_text(
+        "workloads:\n" + GOOD_WORKLOAD + "- {name: b, namespace: d, workloadIps: [x]}\n"
+    )
     with pytest.raises(ConfigError) as info:
         load_config("mesh.yaml")
     assert str(info.value) == "mesh.yaml: workloads[1].workloadIps[0]: 'x' is not an IP address"
@@ -475,8 +592,7 @@ def watched(tmp_path):
     path = tmp_path / "mesh.yaml"
     path.write_text(mesh_yaml("a"))
     recorder = Recorder()
-    watcher = ConfigWatcher(str(path), recorder.on_change, recorder.on_error, reactor,
-                            current=load_config(path))
+    watcher = ConfigWatcher(str(path), recorder.on_change, recorder.on_error, reactor, current=load_config(path))
     watcher.start()
     yield path, watcher, recorder
     watcher.stop()
@@ -695,12 +811,14 @@ def test_canonical_chooses_among_services_sharing_a_hostname_or_vip_as_in_ztunne
 
 
 def test_a_namespace_visibility_service_is_seen_only_from_its_namespace():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         workloads:
         - {uid: p, name: db-shop, namespace: shop, workloadIps: ["10.0.1.3"], services: {"shop/db.example.com": {5432: 5432}}}
         services:
         - {name: db, namespace: shop, hostname: db.example.com, vips: ["/10.96.0.1"], ports: {5432: 5432}, visibility: Namespace}
-        """))
+        """)
+    )
     (only,) = mesh.services
     assert mesh.service_by_hostname("db.example.com", client_namespace="web") is None
     assert mesh.resolve("10.96.0.1", 5432, client_namespace="web").kind == "passthrough"
@@ -717,35 +835,73 @@ def warnings_of(text, source="mesh.yaml"):
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("workloads:\n" + GOOD_WORKLOAD + GOOD_WORKLOAD.replace("10.0.0.1", "10.0.0.2"),
-         ("mesh.yaml: workloads[0].uid: duplicate uid 'Kubernetes//v1/Pod/default/a' (uid not set: made from "
-          "clusterId, namespace and name): workloads[1] replaces this entry, as in ztunnel")),
-        (("workloads: [{uid: x, name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
-          " {uid: x, name: b, namespace: ns, workloadIps: ['10.0.0.2']}]"),
-         "mesh.yaml: workloads[0].uid: duplicate uid 'x': workloads[1] replaces this entry, as in ztunnel"),
-        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
-          " {name: b, namespace: ns, workloadIps: ['10.0.0.2', '10.0.0.1']}]"),
-         ("mesh.yaml: workloads[1].workloadIps[1]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
-          "as in ztunnel, a connection from it is attributed to one of them: a pod (uid with \"//Pod/\") first, "
-          "then HBONE, else the last")),
-        (("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']}]\n"
-          "services: [{name: s, namespace: ns, hostname: h, vips: ['/10.0.0.1'], ports: {}}]"),
-         ("mesh.yaml: services[0].vips[0]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
-          "as in ztunnel, connections to it go to the service")),
-        (("services: [{name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {}},"
-          " {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {}}]"),
-         ("mesh.yaml: services[1].vips[0]: 10.96.0.1 is also a VIP of service 'ns/h' in the same namespace; as in "
-          "ztunnel, this later service takes it")),
-        ("services: [{name: s, namespace: ns, hostname: h, ports: {}}, {name: t, namespace: ns, hostname: h, ports: {}}]",
-         "mesh.yaml: services[0]: duplicate service 'ns/h': services[1] replaces this entry, as in ztunnel"),
-        (("policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: []},"
-          " {name: p, namespace: ns, scope: Global, action: Deny, rules: []}]"),
-         "mesh.yaml: policies[0]: duplicate policy 'ns/p': policies[1] replaces this entry, as in ztunnel"),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 8080}}}]",
-         ("mesh.yaml: workloads[0].services[\"ns/echo\"]: no service with namespace 'ns' and hostname 'echo' in "
-          "services; as in ztunnel, this has no effect")),
-        ("workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [ns/p]}]",
-         "mesh.yaml: workloads[0].authorizationPolicies[0]: no policy 'ns/p' in policies; as in ztunnel, it selects nothing"),
+        (
+            "workloads:\n" + GOOD_WORKLOAD + GOOD_WORKLOAD.replace("10.0.0.1", "10.0.0.2"),
+            (
+                "mesh.yaml: workloads[0].uid: duplicate uid 'Kubernetes//v1/Pod/default/a' (uid not set: made from "
+                "clusterId, namespace and name): workloads[1] replaces this entry, as in ztunnel"
+            ),
+        ),
+        (
+            (
+                "workloads: [{uid: x, name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
+                " {uid: x, name: b, namespace: ns, workloadIps: ['10.0.0.2']}]"
+            ),
+            "mesh.yaml: workloads[0].uid: duplicate uid 'x': workloads[1] replaces this entry, as in ztunnel",
+        ),
+        (
+            (
+                "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']},"
+                " {name: b, namespace: ns, workloadIps: ['10.0.0.2', '10.0.0.1']}]"
+            ),
+            (
+                "mesh.yaml: workloads[1].workloadIps[1]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
+                'as in ztunnel, a connection from it is attributed to one of them: a pod (uid with "//Pod/") first, '
+                "then HBONE, else the last"
+            ),
+        ),
+        (
+            (
+                "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1']}]\n"
+                "services: [{name: s, namespace: ns, hostname: h, vips: ['/10.0.0.1'], ports: {}}]"
+            ),
+            (
+                "mesh.yaml: services[0].vips[0]: 10.0.0.1 is also the address of workload 'Kubernetes//v1/Pod/ns/a'; "
+                "as in ztunnel, connections to it go to the service"
+            ),
+        ),
+        (
+            (
+                "services: [{name: s, namespace: ns, hostname: h, vips: [/10.96.0.1], ports: {}},"
+                " {name: t, namespace: ns, hostname: t, vips: [/10.96.0.1], ports: {}}]"
+            ),
+            (
+                "mesh.yaml: services[1].vips[0]: 10.96.0.1 is also a VIP of service 'ns/h' in the same namespace; as in "
+                "ztunnel, this later service takes it"
+            ),
+        ),
+        (
+            "services: [{name: s, namespace: ns, hostname: h, ports: {}}, {name: t, namespace: ns, hostname: h, ports: {}}]",
+            "mesh.yaml: services[0]: duplicate service 'ns/h': services[1] replaces this entry, as in ztunnel",
+        ),
+        (
+            (
+                "policies: [{name: p, namespace: ns, scope: Global, action: Allow, rules: []},"
+                " {name: p, namespace: ns, scope: Global, action: Deny, rules: []}]"
+            ),
+            "mesh.yaml: policies[0]: duplicate policy 'ns/p': policies[1] replaces this entry, as in ztunnel",
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], services: {'ns/echo': {80: 8080}}}]",
+            (
+                "mesh.yaml: workloads[0].services[\"ns/echo\"]: no service with namespace 'ns' and hostname 'echo' in "
+                "services; as in ztunnel, this has no effect"
+            ),
+        ),
+        (
+            "workloads: [{name: a, namespace: ns, workloadIps: ['10.0.0.1'], authorizationPolicies: [ns/p]}]",
+            "mesh.yaml: workloads[0].authorizationPolicies[0]: no policy 'ns/p' in policies; as in ztunnel, it selects nothing",
+        ),
     ],
 )
 def test_what_ztunnel_accepts_but_is_likely_a_mistake_is_used_with_a_warning(text, expected):
@@ -801,7 +957,8 @@ def test_services_of_different_namespaces_may_share_a_vip_quietly():
 
 
 def test_endpoints_listed_by_a_service_are_routed_to_with_their_own_ports():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         workloads:
         - {uid: w, name: w, namespace: ns, workloadIps: ["10.0.0.7"], status: Unhealthy}
         services:
@@ -811,24 +968,28 @@ def test_endpoints_listed_by_a_service_are_routed_to_with_their_own_ports():
           vips: ["/10.96.0.7"]
           ports: {80: 8080}
           endpoints: {w: {workloadUid: w, port: {80: 9090}, status: Unhealthy}}
-        """))
+        """)
+    )
     # ztunnel uses a service's own endpoints whatever their status (it filters only workloads' ones).
     destination = mesh.resolve("10.96.0.7", 80)
     assert (destination.kind, destination.workload.uid, destination.port) == ("service", "w", 9090)
 
 
 def test_host_network_workloads_are_not_found_by_address_nor_served():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         workloads:
         - {uid: pod, name: pod, namespace: ns, workloadIps: ["10.0.0.1"]}
         - {uid: agent, name: agent, namespace: kube-system, workloadIps: ["10.0.0.1"], networkMode: HostNetwork}
-        """))
+        """)
+    )
     assert mesh.workload_by_ip("10.0.0.1").uid == "pod"
     assert [w.uid for w in mesh.local_workloads(None)] == ["pod"]
 
 
 def test_ztunnel_fields_without_effect_in_ztwisted_are_accepted():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         workloads:
         - uid: w
           namespace: ns
@@ -849,31 +1010,36 @@ def test_ztunnel_fields_without_effect_in_ztwisted_are_accepted():
           ipFamilies: Dual
           loadBalancer: {routingPreferences: [], mode: Standard, healthPolicy: AllowAll}
           weightedWaypoints: [{destination: {destination: "/10.0.0.9", hboneMtlsPort: 15008}, weight: 1}]
-        """))
+        """)
+    )
     (workload,) = mesh.workloads
     assert (workload.uid, workload.name, workload.workload_ips) == ("w", "", ())
 
 
 def test_capacity_weighs_a_services_endpoints_as_in_ztunnel():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         workloads:
         - {uid: big, name: big, namespace: ns, workloadIps: ["10.0.0.1"], capacity: 3, services: {"ns/s": {80: 80}}}
         - {uid: small, name: small, namespace: ns, workloadIps: ["10.0.0.2"], services: {"ns/s": {80: 80}}}
         - {uid: off, name: off, namespace: ns, workloadIps: ["10.0.0.3"], capacity: 0, services: {"ns/s": {80: 80}}}
         services:
         - {name: s, namespace: ns, hostname: s, vips: ["/10.96.0.1"], ports: {80: 80}}
-        """))
+        """)
+    )
     # Every point of the capacity range 0..3 picks an endpoint: three are big's, one is small's.
     picks = [mesh.resolve("10.96.0.1", 80, choice=lambda options, i=i: options[i]).workload.uid for i in range(4)]
     assert picks == ["big", "big", "big", "small"]
     only_off = mesh.resolve("10.96.0.1", 80, choice=random.Random(1).choice)
     assert only_off.kind == "service" and only_off.workload.uid != "off"
-    drained = parse_config(textwrap.dedent("""\
+    drained = parse_config(
+        textwrap.dedent("""\
         workloads:
         - {uid: off, name: off, namespace: ns, workloadIps: ["10.0.0.3"], capacity: 0, services: {"ns/s": {80: 80}}}
         services:
         - {name: s, namespace: ns, hostname: s, vips: ["/10.96.0.1"], ports: {80: 80}}
-        """))
+        """)
+    )
     assert drained.resolve("10.96.0.1", 80).kind == "unroutable"
 
 
@@ -881,12 +1047,17 @@ def test_yes_no_on_off_are_strings_as_in_ztunnels_yaml_1_2():
     mesh = parse_config("workloads: [{uid: off, name: no, namespace: on, serviceAccount: yes, workloadIps: []}]")
     (workload,) = mesh.workloads
     assert (workload.uid, workload.name, workload.namespace, workload.service_account) == ("off", "no", "on", "yes")
-    assert parse_config("policies: [{name: p, namespace: ns, scope: Global, action: Deny, rules: [], dryRun: true}]"
-                        ).policies[0].dry_run is True
+    assert (
+        parse_config("policies: [{name: p, namespace: ns, scope: Global, action: Deny, rules: [], dryRun: true}]")
+        .policies[0]
+        .dry_run
+        is True
+    )
 
 
 def test_load_balancer_passthrough_and_allow_all_as_in_ztunnel():
-    mesh = parse_config(textwrap.dedent("""\
+    mesh = parse_config(
+        textwrap.dedent("""\
         workloads:
         - {uid: sick, name: sick, namespace: ns, workloadIps: ["10.0.0.1"], status: Unhealthy,
            services: {"ns/all": {80: 8080}, "ns/healthy": {80: 8080}}}
@@ -896,9 +1067,14 @@ def test_load_balancer_passthrough_and_allow_all_as_in_ztunnel():
         - {name: healthy, namespace: ns, hostname: healthy, vips: ["/10.96.0.2"], ports: {80: 8080}}
         - {name: direct, namespace: ns, hostname: direct, vips: ["/10.96.0.3"], ports: {80: 8080},
            loadBalancer: {routingPreferences: [], mode: Passthrough, healthPolicy: OnlyHealthy}}
-        """))
+        """)
+    )
     assert mesh.resolve("10.96.0.1", 80).workload.uid == "sick"
     assert mesh.resolve("10.96.0.2", 80).kind == "unroutable"
     direct = mesh.resolve("10.96.0.3", 80)
-    assert (direct.kind, direct.ip, direct.port, direct.service.name) == ("passthrough", ip_address("10.96.0.3"), 80,
-                                                                          "direct")
+    assert (direct.kind, direct.ip, direct.port, direct.service.name) == (
+        "passthrough",
+        ip_address("10.96.0.3"),
+        80,
+        "direct",
+    )

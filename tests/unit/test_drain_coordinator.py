@@ -41,9 +41,15 @@ from ztwisted.view import NodeView
 from ztwisted.workloads import LocalWorkloads
 
 POD = Workload(uid="c//v1/Pod/default/echo", name="echo", namespace="default", workload_ips=["10.0.1.1"], node="n")
-OTHER_POD = Workload(uid="c//v1/Pod/default/other", name="other", namespace="default", workload_ips=["10.0.1.2"], node="n")
-REMOTE = Workload(uid="c//v1/Pod/default/remote", name="remote", namespace="default", workload_ips=["10.0.2.1"], node="m")
-OTHER_REMOTE = Workload(uid="c//v1/Pod/default/far", name="far", namespace="default", workload_ips=["10.0.2.2"], node="m")
+OTHER_POD = Workload(
+    uid="c//v1/Pod/default/other", name="other", namespace="default", workload_ips=["10.0.1.2"], node="n"
+)
+REMOTE = Workload(
+    uid="c//v1/Pod/default/remote", name="remote", namespace="default", workload_ips=["10.0.2.1"], node="m"
+)
+OTHER_REMOTE = Workload(
+    uid="c//v1/Pod/default/far", name="far", namespace="default", workload_ips=["10.0.2.2"], node="m"
+)
 
 
 @attr.s(frozen=True)
@@ -135,7 +141,12 @@ class FakeNode:
 
     def pooled(self, source: Workload, destination: Workload) -> FakeConnection:
         """A pooled connection from a workload to another, through the real pool."""
-        key = PoolKey(str(source.identity), {str(destination.identity)}, (str(destination.workload_ips[0]), 15008), str(source.workload_ips[0]))
+        key = PoolKey(
+            str(source.identity),
+            {str(destination.identity)},
+            (str(destination.workload_ips[0]), 15008),
+            str(source.workload_ips[0]),
+        )
         tunnel = self.outbound.pool.open_tunnel(key, f"{destination.workload_ips[0]}:8080")
         assert tunnel.called
         return self.opened[-1]
@@ -426,7 +437,9 @@ def coordinator_for(strategies, metrics, clock, facade=None):
 
 def test_attach_reaches_each_strategy_in_order_with_the_facade(metrics, clock, journal):
     facade = object()
-    coordinator = coordinator_for([RecordingStrategy("a", journal), RecordingStrategy("b", journal)], metrics, clock, facade)
+    coordinator = coordinator_for(
+        [RecordingStrategy("a", journal), RecordingStrategy("b", journal)], metrics, clock, facade
+    )
     coordinator.attach()
     assert journal == [("a", "attach", facade), ("b", "attach", facade)]
     assert coordinator.names == "a,b"
@@ -499,9 +512,7 @@ def test_a_failing_strategy_is_logged_and_counted_without_blocking_the_others(me
         assert metrics.sample("ztwisted_drain_event_failures_total", {"strategy": name, "event": "pod_removed"}) == 1
         assert metrics.sample("ztwisted_drain_events_total", {"strategy": name, "event": "pod_removed"}) == 1
     assert metrics.sample("ztwisted_drain_event_failures_total", {"strategy": "last", "event": "pod_removed"}) is None
-    failures = {
-        (event.get("strategy"), event["log_failure"].type) for event in logged if "log_failure" in event
-    }
+    failures = {(event.get("strategy"), event["log_failure"].type) for event in logged if "log_failure" in event}
     assert failures == {("raising", RuntimeError), ("failing", ValueError)}
     assert metrics.sample("ztwisted_drain_duration_seconds_count", {"event": "pod_removed"}) == 1
 
@@ -691,7 +702,12 @@ class RecordingBackoff:
         return failures / 10
 
 
-KEY = PoolKey("spiffe://cluster.local/ns/default/sa/client", {"spiffe://cluster.local/ns/default/sa/echo"}, ("10.0.2.1", 15008), "10.0.1.1")
+KEY = PoolKey(
+    "spiffe://cluster.local/ns/default/sa/client",
+    {"spiffe://cluster.local/ns/default/sa/echo"},
+    ("10.0.2.1", 15008),
+    "10.0.1.1",
+)
 OTHER_KEY = attr.evolve(KEY, destination=("10.0.2.2", 15008))
 
 

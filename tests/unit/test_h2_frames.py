@@ -103,7 +103,9 @@ def kinds(frames: list[Frame]) -> list[tuple]:
 class Link:
     """Our HBONEConnection on a fake transport, with an ``h2`` peer we drive by hand."""
 
-    def __init__(self, *, client: bool, settings: H2Settings | None = None, handler=accept_and_record, handshake: bool = True):
+    def __init__(
+        self, *, client: bool, settings: H2Settings | None = None, handler=accept_and_record, handshake: bool = True
+    ):
         self.clock = task.Clock()
         self.requests = []
         self.limits: list[str] = []
@@ -533,7 +535,7 @@ def test_a_frame_over_the_maximum_frame_size_is_refused_from_its_header():
     # A DATA frame header that claims 16 MiB, and no body yet: h2 would buffer it all first.
     huge = DataFrame(stream_id)
     huge.data = b"x" * (16 * 1024 * 1024)
-    link.conn.dataReceived(huge.serialize()[:9 + 100])
+    link.conn.dataReceived(huge.serialize()[: 9 + 100])
     assert link.limits == ["frame-size"]
     assert kinds(link.from_ours()) == [("GOAWAY", stream_id, FRAME_SIZE_ERROR)]
     assert_closed_after_goaway(link, "protocol-error")
@@ -542,7 +544,9 @@ def test_a_frame_over_the_maximum_frame_size_is_refused_from_its_header():
 
 
 def test_a_header_block_over_the_cap_is_refused_before_its_continuations_arrive():
-    link = Link(client=False, settings=H2Settings.server(max_frame_size=65536, max_header_list_size=16384), handler=None)
+    link = Link(
+        client=False, settings=H2Settings.server(max_frame_size=65536, max_header_list_size=16384), handler=None
+    )
     block = hpack.Encoder().encode([(":method", "CONNECT"), (":authority", AUTHORITY)])
     headers = HeadersFrame(1)
     headers.data = block

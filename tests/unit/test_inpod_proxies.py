@@ -50,7 +50,11 @@ services:
 def test_a_pod_discovery_does_not_know_is_served_from_the_agents_workload_info():
     workload = pod_workload("uid-new", INFO, Mesh(), "node-1")
     assert (workload.uid, workload.name, workload.namespace, workload.service_account) == (
-        "uid-new", "web-1", "shop", "web")
+        "uid-new",
+        "web-1",
+        "shop",
+        "web",
+    )
     assert str(workload.identity) == "spiffe://cluster.local/ns/shop/sa/web"
     assert workload.workload_ips == () and not workload.services
     assert workload.node == "node-1" and workload.protocol == "HBONE"
@@ -69,8 +73,12 @@ def test_discovery_is_matched_by_name_namespace_and_service_account_as_ztunnel_d
     assert workload.uid == "3f1c-pod-uid"
     assert workload.workload_ips == (ip_address("10.0.0.6"),)
     # Only on this node, and only if every part matches.
-    assert pod_workload("u", WorkloadInfo("web-2", "shop", "web"), parse_config(DISCOVERED), "node-2").workload_ips == ()
-    assert pod_workload("u", WorkloadInfo("web-2", "shop", "other"), parse_config(DISCOVERED), "node-1").workload_ips == ()
+    assert (
+        pod_workload("u", WorkloadInfo("web-2", "shop", "web"), parse_config(DISCOVERED), "node-2").workload_ips == ()
+    )
+    assert (
+        pod_workload("u", WorkloadInfo("web-2", "shop", "other"), parse_config(DISCOVERED), "node-1").workload_ips == ()
+    )
 
 
 def test_a_pod_without_known_addresses_serves_only_the_address_a_connection_arrived_at():
@@ -91,8 +99,9 @@ def test_a_pod_without_known_addresses_serves_only_the_address_a_connection_arri
 @pytest.fixture
 def proxy(tmp_path):
     options = tap.Options()
-    options.parseOptions(["--state-dir", str(tmp_path / "state"), "--inpod", "--node", "node-1",
-                          "--config", builtin_example_path()])
+    options.parseOptions(
+        ["--state-dir", str(tmp_path / "state"), "--inpod", "--node", "node-1", "--config", builtin_example_path()]
+    )
     return tap.makeService(options, reactor).proxy
 
 
@@ -121,7 +130,8 @@ def test_an_add_before_discovery_is_acked_served_and_completed_by_discovery_late
         proxy.reconciler.apply_mesh(parse_config(DISCOVERED.replace("uid-web-1", "uid-new")))
         served = node.workloads.find("uid-new")
         assert served.workload_ips == (ip_address("10.0.0.5"),) and str(served.identity) == (
-            "spiffe://example.org/ns/shop/sa/web")
+            "spiffe://example.org/ns/shop/sa/web"
+        )
         assert listeners.hbone.workload is listeners.plaintext.workload is served
         assert listeners.redirect.source is served
         assert node.workloads.by_ip("10.0.0.5") is served

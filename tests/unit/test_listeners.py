@@ -26,7 +26,9 @@ def taken():
 
 def test_a_taken_port_names_the_option_and_the_address(taken):
     ip, port = taken
-    service = ListenerService(ReusePortEndpoint(MemoryReactorClock(), port, ip), Factory(), purpose="admin", option="--admin")
+    service = ListenerService(
+        ReusePortEndpoint(MemoryReactorClock(), port, ip), Factory(), purpose="admin", option="--admin"
+    )
     with pytest.raises(CannotListen) as raised:
         service.privilegedStartService()
     assert str(raised.value) == f"--admin: cannot listen on {ip}:{port}: Address already in use"
@@ -35,7 +37,9 @@ def test_a_taken_port_names_the_option_and_the_address(taken):
 def test_the_proxy_says_it_in_one_line_and_exits(taken, logged):
     ip, port = taken
     root = ProxyService("text", MemoryReactorClock())
-    ListenerService(ReusePortEndpoint(MemoryReactorClock(), port, ip), Factory(), option="--metrics").setServiceParent(root)
+    ListenerService(ReusePortEndpoint(MemoryReactorClock(), port, ip), Factory(), option="--metrics").setServiceParent(
+        root
+    )
     with pytest.raises(SystemExit) as raised:
         root.privilegedStartService()
     assert raised.value.code == 1

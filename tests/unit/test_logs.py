@@ -30,8 +30,7 @@ def test_json_observer_writes_flat_objects():
     buf = io.StringIO()
     log = Logger(namespace="ztwisted.node", observer=json_observer(buf))
     marker = object()
-    log.info("workload {uid} added", uid="w1", count=3, tags=["a"], obj=marker,
-             ratio=float("nan"))
+    log.info("workload {uid} added", uid="w1", count=3, tags=["a"], obj=marker, ratio=float("nan"))
     log.warn("second")  # noqa: G010 - twisted.logger's name for the level
     first, second = json_lines(buf)
     assert RFC3339_UTC_MICROS.match(first["time"])
@@ -48,8 +47,7 @@ def test_json_observer_writes_flat_objects():
 
 def test_json_time_is_utc_with_microseconds():
     buf = io.StringIO()
-    json_observer(buf)({"log_time": 86400.25, "log_format": "x", "log_level": LogLevel.debug,
-                       "log_namespace": "n"})
+    json_observer(buf)({"log_time": 86400.25, "log_format": "x", "log_level": LogLevel.debug, "log_namespace": "n"})
     (line,) = json_lines(buf)
     assert line["time"] == "1970-01-02T00:00:00.250000Z"
     assert line["level"] == "debug"
@@ -70,9 +68,11 @@ def test_json_failure_adds_traceback_as_error():
 
 def test_json_legacy_event_has_no_duplicate_keys():
     buf = io.StringIO()
-    publishToNewObserver(json_observer(buf),
-                         {"message": ("hello", "world"), "isError": 0, "system": "tcp",
-                          "time": 1.0}, textFromEventDict)
+    publishToNewObserver(
+        json_observer(buf),
+        {"message": ("hello", "world"), "isError": 0, "system": "tcp", "time": 1.0},
+        textFromEventDict,
+    )
     (line,) = json_lines(buf)
     assert line["message"] == "hello world"
     assert line["scope"] == "log_legacy"
@@ -93,33 +93,50 @@ def test_text_observer_plain_event_has_no_fields():
 def test_text_observer_appends_access_fields():
     buf = io.StringIO()
     log = Logger(namespace="ztwisted.hbone", observer=text_observer(buf))
-    access_log(log, src_addr="10.0.0.1:4000", dst_addr="10.0.0.2:80",
-               dst_hbone_addr="10.0.0.2:80", src_workload=None, direction="outbound",
-               bytes_sent=10, bytes_recv=20, duration=0.0123,
-               **{"dst.service": "echo.default.svc.cluster.local"}, note="a b")
+    access_log(
+        log,
+        src_addr="10.0.0.1:4000",
+        dst_addr="10.0.0.2:80",
+        dst_hbone_addr="10.0.0.2:80",
+        src_workload=None,
+        direction="outbound",
+        bytes_sent=10,
+        bytes_recv=20,
+        duration=0.0123,
+        **{"dst.service": "echo.default.svc.cluster.local"},
+        note="a b",
+    )
     line = buf.getvalue()
     assert line.count("\n") == 1
     assert "[access#info] connection complete " in line
     assert line.endswith(
         " connection complete src.addr=10.0.0.1:4000 dst.addr=10.0.0.2:80 "
         "dst.hbone_addr=10.0.0.2:80 dst.service=echo.default.svc.cluster.local "
-        'direction=outbound bytes_sent=10 bytes_recv=20 duration=12ms note="a b"\n')
+        'direction=outbound bytes_sent=10 bytes_recv=20 duration=12ms note="a b"\n'
+    )
 
 
 def test_access_log_event_shape():
     events: list[dict] = []
     log = Logger(namespace="ztwisted.hbone.inbound", observer=events.append)
-    access_log(log, **{"src.addr": "1.2.3.4:5", "src.identity": "spiffe://cluster.local/ns/a/sa/b"},
-               direction="inbound", bytes_sent=1, bytes_recv=2, duration="7ms")
+    access_log(
+        log,
+        **{"src.addr": "1.2.3.4:5", "src.identity": "spiffe://cluster.local/ns/a/sa/b"},
+        direction="inbound",
+        bytes_sent=1,
+        bytes_recv=2,
+        duration="7ms",
+    )
     (event,) = events
     assert event["log_namespace"] == "access"
     assert event["log_level"] is LogLevel.info
     # The text carries the fields, for any text observer (twistd's own when --log-format text).
-    assert formatEvent(event) == ("connection complete src.addr=1.2.3.4:5 src.identity=spiffe://cluster.local/ns/a/sa/b"
-                                  " direction=inbound bytes_sent=1 bytes_recv=2 duration=7ms")
+    assert formatEvent(event) == (
+        "connection complete src.addr=1.2.3.4:5 src.identity=spiffe://cluster.local/ns/a/sa/b"
+        " direction=inbound bytes_sent=1 bytes_recv=2 duration=7ms"
+    )
     fields = [key for key in event if not key.startswith("log_")]
-    assert fields == ["src.addr", "src.identity", "direction", "bytes_sent", "bytes_recv",
-                      "duration"]
+    assert fields == ["src.addr", "src.identity", "direction", "bytes_sent", "bytes_recv", "duration"]
     assert all(key in ACCESS_FIELDS for key in fields)
     assert event["duration"] == "7ms"
 
@@ -127,10 +144,18 @@ def test_access_log_event_shape():
 def test_access_log_with_error_is_error_level_and_json_keys_keep_dots():
     buf = io.StringIO()
     log = Logger(observer=json_observer(buf))
-    access_log(log, src_addr="10.0.0.1:4000", dst_addr="10.0.0.2:15008",
-               dst_hbone_addr="10.0.0.3:8080", dst_identity="spiffe://cluster.local/ns/d/sa/s",
-               direction="outbound", bytes_sent=0, bytes_recv=0, duration=1.5,
-               error="connection refused")
+    access_log(
+        log,
+        src_addr="10.0.0.1:4000",
+        dst_addr="10.0.0.2:15008",
+        dst_hbone_addr="10.0.0.3:8080",
+        dst_identity="spiffe://cluster.local/ns/d/sa/s",
+        direction="outbound",
+        bytes_sent=0,
+        bytes_recv=0,
+        duration=1.5,
+        error="connection refused",
+    )
     (line,) = json_lines(buf)
     assert line["level"] == "error"
     assert line["scope"] == "access"
@@ -148,7 +173,8 @@ def test_access_log_text_survives_braces_and_twisteds_own_text_observer():
     log = Logger(namespace="x", observer=textFileLogObserver(buf))
     access_log(log, src_addr="10.0.0.1:4000", direction="inbound", error="bad authority '{x}'")
     assert buf.getvalue().endswith(
-        """[access#error] connection complete src.addr=10.0.0.1:4000 direction=inbound error="bad authority '{x}'"\n""")
+        """[access#error] connection complete src.addr=10.0.0.1:4000 direction=inbound error="bad authority '{x}'"\n"""
+    )
 
 
 def test_access_log_rejects_bad_direction():

@@ -26,8 +26,7 @@ class FakeService:
 
 def exposed_names(text: str) -> set[str]:
     """Sample names (the part before ``{`` or the value) of every sample line."""
-    return {re.split(r"[{ ]", line, maxsplit=1)[0]
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
 def test_istio_counter_names_are_exact():

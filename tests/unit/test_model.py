@@ -38,8 +38,11 @@ def workload(name, ip, *, node="node-b", services=None, **kw):
 def echo_service(**kw):
     kw.setdefault("ports", {80: 8080, 443: 8443})
     return Service(
-        name="echo", namespace="default", hostname="echo.default.svc.cluster.local",
-        vips=[("", "127.10.0.1")], **kw,
+        name="echo",
+        namespace="default",
+        hostname="echo.default.svc.cluster.local",
+        vips=[("", "127.10.0.1")],
+        **kw,
     )
 
 
@@ -147,8 +150,13 @@ def test_resolve_vip_with_seeded_random_choice_is_repeatable():
 
 def test_resolve_prefers_endpoint_ip_of_the_vip_family():
     dual = workload("dual", ["fd00::5", "127.0.3.1"], services={ECHO_KEY: {80: 8080}})
-    svc = Service(name="echo", namespace="default", hostname="echo.default.svc.cluster.local",
-                  vips=["127.10.0.1", ("", "fd00::10")], ports={80: 8080})
+    svc = Service(
+        name="echo",
+        namespace="default",
+        hostname="echo.default.svc.cluster.local",
+        vips=["127.10.0.1", ("", "fd00::10")],
+        ports={80: 8080},
+    )
     mesh = Mesh([dual], [svc])
     assert mesh.resolve("127.10.0.1", 80, choice=lambda o: o[0]).ip == ip_address("127.0.3.1")
     assert mesh.resolve("fd00::10", 80, choice=lambda o: o[0]).ip == ip_address("fd00::5")

@@ -61,8 +61,7 @@ class Harness:
         self.cancelled: list[Socks5Request] = []
         self.errors: list[str] = []
         self.events: list[dict] = []
-        self.protocol = Socks5Protocol(self._connect, clock=self.clock,
-                                       on_error=self.errors.append)
+        self.protocol = Socks5Protocol(self._connect, clock=self.clock, on_error=self.errors.append)
         self.protocol.log = Logger(namespace="test", observer=self.events.append)
         self.transport = StringTransport(peerAddress=IPv4Address("TCP", "10.0.0.5", 40000))
         self.protocol.makeConnection(self.transport)
@@ -117,9 +116,7 @@ def test_byte_by_byte_domain_request():
     request = b"\x05\x01\x00\x03\x0bexample.com\x01\xbb"
     h.feed(GREETING + request, bytewise=True)
     assert h.output() == METHOD_OK
-    assert h.requests == [
-        Socks5Request(("10.0.0.5", 40000), "example.com", 443, AddressType.DOMAIN)
-    ]
+    assert h.requests == [Socks5Request(("10.0.0.5", 40000), "example.com", 443, AddressType.DOMAIN)]
 
 
 def test_byte_by_byte_ipv6_request():
@@ -175,8 +172,14 @@ def test_large_early_data_pauses_reading_until_attached():
 
 @pytest.mark.parametrize(
     "code",
-    [Reply.GENERAL_FAILURE, Reply.NOT_ALLOWED, Reply.NETWORK_UNREACHABLE,
-     Reply.HOST_UNREACHABLE, Reply.CONNECTION_REFUSED, Reply.ADDRESS_TYPE_NOT_SUPPORTED],
+    [
+        Reply.GENERAL_FAILURE,
+        Reply.NOT_ALLOWED,
+        Reply.NETWORK_UNREACHABLE,
+        Reply.HOST_UNREACHABLE,
+        Reply.CONNECTION_REFUSED,
+        Reply.ADDRESS_TYPE_NOT_SUPPORTED,
+    ],
 )
 def test_socks5_error_sends_its_reply_code_and_closes(code):
     h = Harness()
@@ -186,19 +189,20 @@ def test_socks5_error_sends_its_reply_code_and_closes(code):
     assert h.output() == bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0])
     assert h.transport.disconnecting
     assert h.errors == ["connect_failed"]
-    assert any("10.0.0.5:40000" in m and "policy says no" in m and "127.0.0.1:80" in m
-               for m in h.messages())
+    assert any("10.0.0.5:40000" in m and "policy says no" in m and "127.0.0.1:80" in m for m in h.messages())
     h.feed(b"ignored after close")
     assert h.output() == b""
 
 
 @pytest.mark.parametrize(
     "exc, code",
-    [(error.ConnectionRefusedError(), Reply.CONNECTION_REFUSED),
-     (error.DNSLookupError("nope"), Reply.HOST_UNREACHABLE),
-     (error.TimeoutError(), Reply.HOST_UNREACHABLE),
-     (error.NoRouteError(), Reply.HOST_UNREACHABLE),
-     (RuntimeError("bug"), Reply.GENERAL_FAILURE)],
+    [
+        (error.ConnectionRefusedError(), Reply.CONNECTION_REFUSED),
+        (error.DNSLookupError("nope"), Reply.HOST_UNREACHABLE),
+        (error.TimeoutError(), Reply.HOST_UNREACHABLE),
+        (error.NoRouteError(), Reply.HOST_UNREACHABLE),
+        (RuntimeError("bug"), Reply.GENERAL_FAILURE),
+    ],
 )
 def test_connect_errors_map_to_reply_codes(exc, code):
     h = Harness()
@@ -339,8 +343,7 @@ def test_sink_attach_failure_aborts_and_is_logged():
     h.feed(GREETING + CONNECT_IPV4)
     h.pending[0].callback(BadSink())
     assert h.transport.disconnecting
-    assert any(e.get("log_failure") is not None and
-               e["log_failure"].check(RuntimeError) for e in h.events)
+    assert any(e.get("log_failure") is not None and e["log_failure"].check(RuntimeError) for e in h.events)
     assert h.errors == ["internal_error"]
 
 
@@ -398,8 +401,7 @@ def test_real_tcp_round_trip():
 
     port = reactor.listenTCP(0, Socks5Factory(connect), interface="127.0.0.1")
     try:
-        method, received = yield threads.deferToThread(
-            _blocking_socks_client, port.getHost().port)
+        method, received = yield threads.deferToThread(_blocking_socks_client, port.getHost().port)
     finally:
         yield port.stopListening()
     assert method == METHOD_OK

@@ -49,7 +49,9 @@ def test_the_plugin_module_imports_and_getPlugins_finds_all_of_it():
 
 
 def test_the_repository_plugin_file_is_the_one_installed():
-    spec = importlib.util.spec_from_file_location("_ztwisted_strategies_from_repo", ROOT / "plugins" / "ztwisted_strategies.py")
+    spec = importlib.util.spec_from_file_location(
+        "_ztwisted_strategies_from_repo", ROOT / "plugins" / "ztwisted_strategies.py"
+    )
     from_repo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(from_repo)
     installed = importlib.import_module("twisted.plugins.ztwisted_strategies")
@@ -68,7 +70,9 @@ def test_strategy_names_are_unique_and_selectable():
     assert len(names) == len(set(names)), f"two plugins share a name: {sorted(names)}"
     for plugin in found_plugins():
         name = plugin.name
-        assert name and name == name.lower() and not set(name) & set(",+ \t"), f"{name!r} cannot be given to --drain-strategy"
+        assert name and name == name.lower() and not set(name) & set(",+ \t"), (
+            f"{name!r} cannot be given to --drain-strategy"
+        )
         assert select(name) == [plugin]
         assert plugin.description and "\n" not in plugin.description
 
@@ -84,7 +88,10 @@ def test_each_built_in_is_documented_under_its_name(name):
 def test_help_lists_every_strategy_with_its_description():
     text = describe()
     for name, strategy in installed_strategies().items():
-        assert any(line.split() and line.split()[0] == name and line.endswith(strategy.description) for line in text.splitlines())
+        assert any(
+            line.split() and line.split()[0] == name and line.endswith(strategy.description)
+            for line in text.splitlines()
+        )
 
 
 # -- selection by name ----------------------------------------------------------------

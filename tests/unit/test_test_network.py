@@ -43,8 +43,11 @@ def test_a_run_stops_at_once_naming_what_holds_its_range():
     try:
         run = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_identity.py"],
-            cwd=Path(__file__).parents[2], env={**os.environ, "ZTWISTED_TEST_NET": str(net)},
-            capture_output=True, text=True, timeout=120,
+            cwd=Path(__file__).parents[2],
+            env={**os.environ, "ZTWISTED_TEST_NET": str(net)},
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     finally:
         close_listener(sock)

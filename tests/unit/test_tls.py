@@ -481,7 +481,7 @@ def test_tls_factory_sends_the_records_of_one_write_together(server_cert, client
         client_tls.write(payload)  # above Twisted's 64,000-byte aggregation limit: encrypted now
         assert len(tcp_writes) == 1 and tcp_writes[0] > len(payload), tcp_writes
         # Sent at once: nothing waits in Twisted's queue for the next poll.
-        assert tcp.dataBuffer[tcp.offset:] == b"" and not tcp._tempDataBuffer
+        assert tcp.dataBuffer[tcp.offset :] == b"" and not tcp._tempDataBuffer
         deadline = reactor.seconds() + TCP_TIMEOUT
         while len(servers[0].received) < len(payload) and reactor.seconds() < deadline:
             yield task.deferLater(reactor, 0.01, lambda: None)

@@ -47,7 +47,7 @@ def test_a_write_with_nothing_queued_is_sent_before_the_reactor_runs_again():
         # No reactor turn in between: the bytes are already in the kernel.
         client.setblocking(False)
         assert client.recv(100) == b"hello"
-        assert transport.dataBuffer[transport.offset:] == b"" and not transport._tempDataBuffer
+        assert transport.dataBuffer[transport.offset :] == b"" and not transport._tempDataBuffer
         assert transport.getTcpNoDelay()
     finally:
         client.close()

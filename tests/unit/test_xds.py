@@ -68,8 +68,11 @@ def test_unsupported_features_and_conflicts_are_named():
     assert rejected == ["workload 'c//v1/Pod/ns/a': waypoint is not supported by ztwisted"]
     # A uid is the one thing two workloads may not share (the model's rule): the later resource is rejected.
     same_uid = {
-        f"name-{n}": workload_pb2.Address(workload=workload_pb2.Workload(
-            uid="c//v1/Pod/ns/a", name="a", namespace="ns", addresses=[bytes([10, 0, 0, n])]))
+        f"name-{n}": workload_pb2.Address(
+            workload=workload_pb2.Workload(
+                uid="c//v1/Pod/ns/a", name="a", namespace="ns", addresses=[bytes([10, 0, 0, n])]
+            )
+        )
         for n in (1, 2)
     }
     mesh, rejected = state.apply(response(ADDRESS_TYPE, same_uid))
@@ -102,7 +105,9 @@ services:
     twin = workload_pb2.Address()
     twin.CopyFrom(mesh_resources(local)[ADDRESS_TYPE]["one/web.one.svc.cluster.local"])
     _, rejected = state.apply(response(ADDRESS_TYPE, {"another-name": twin}, nonce="2"))
-    assert rejected == ["another-name: service 'one/web.one.svc.cluster.local' is already one/web.one.svc.cluster.local's"]
+    assert rejected == [
+        "another-name: service 'one/web.one.svc.cluster.local' is already one/web.one.svc.cluster.local's"
+    ]
     with pytest.raises(ValueError, match="duplicate service 'one/web.one.svc.cluster.local'"):
         Mesh(services=[local.services[0], local.services[0]])
 
@@ -119,11 +124,21 @@ def test_removals_and_unknown_types():
 
 
 def test_node_metadata_is_shaped_like_ztunnels():
-    node = NodeInfo(instance_ip="10.0.0.5", pod_name="zt-1", pod_namespace="istio-system", node_name="w1",
-                    metadata={"CLUSTER_ID": "c1"}).to_proto()
+    node = NodeInfo(
+        instance_ip="10.0.0.5",
+        pod_name="zt-1",
+        pod_namespace="istio-system",
+        node_name="w1",
+        metadata={"CLUSTER_ID": "c1"},
+    ).to_proto()
     assert node.id == "ztunnel~10.0.0.5~zt-1.istio-system~istio-system.svc.cluster.local"
-    assert dict(node.metadata) == {"NAME": "zt-1", "NAMESPACE": "istio-system", "INSTANCE_IPS": "10.0.0.5",
-                                   "NODE_NAME": "w1", "CLUSTER_ID": "c1"}
+    assert dict(node.metadata) == {
+        "NAME": "zt-1",
+        "NAMESPACE": "istio-system",
+        "INSTANCE_IPS": "10.0.0.5",
+        "NODE_NAME": "w1",
+        "CLUSTER_ID": "c1",
+    }
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("24h", 86400), ("1h30m", 5400), ("500ms", 0.5), ("30", 30)])
@@ -209,13 +224,16 @@ def test_grpc_messages_are_unframed_across_and_within_writes():
     assert call.done.called
 
 
-@pytest.mark.parametrize(("headers", "data", "code", "text"), [
-    ({"grpc-status": "16", "grpc-message": "no%20token"}, b"", 16, "no token"),
-    ({}, b"", 2, "without grpc-status"),
-    ({"grpc-status": "0"}, b"\x00\x00\x00\x00\x09half", 13, "inside a message"),
-    ({"grpc-status": "0"}, b"\x01\x00\x00\x00\x01z", 13, "compressed"),
-    ({"grpc-status": "0"}, b"\x00\xff\xff\xff\xff", 13, "over the"),
-])
+@pytest.mark.parametrize(
+    ("headers", "data", "code", "text"),
+    [
+        ({"grpc-status": "16", "grpc-message": "no%20token"}, b"", 16, "no token"),
+        ({}, b"", 2, "without grpc-status"),
+        ({"grpc-status": "0"}, b"\x00\x00\x00\x00\x09half", 13, "inside a message"),
+        ({"grpc-status": "0"}, b"\x01\x00\x00\x00\x01z", 13, "compressed"),
+        ({"grpc-status": "0"}, b"\x00\xff\xff\xff\xff", 13, "over the"),
+    ],
+)
 def test_grpc_call_failures_say_why(headers, data, code, text):
     from ztwisted.xds.grpc import GrpcCall, GrpcError
 
@@ -251,8 +269,9 @@ def test_the_client_backs_off_with_jitter_and_keeps_its_state(monkeypatch):
 
     monkeypatch.setattr(client_module.grpc, "connect", refuse)
     meshes = []
-    xds = XdsClient(clock, Target("127.0.0.1", 15012, None), node=NodeInfo(), on_mesh=meshes.append,
-                    random=random.Random(7))
+    xds = XdsClient(
+        clock, Target("127.0.0.1", 15012, None), node=NodeInfo(), on_mesh=meshes.append, random=random.Random(7)
+    )
     xds.startService()
     while len(attempts) < 14:
         (retry,) = clock.getDelayedCalls()
@@ -261,11 +280,11 @@ def test_the_client_backs_off_with_jitter_and_keeps_its_state(monkeypatch):
     assert len(attempts) > 5
     # each wait is between half and all of a doubling bound, capped at 15 s
     for n, gap in enumerate(gaps, start=1):
-        bound = min(MAX_BACKOFF, 0.01 * 2 ** n)
+        bound = min(MAX_BACKOFF, 0.01 * 2**n)
         assert bound / 2 <= gap <= bound + 1e-9
     assert gaps[-1] >= MAX_BACKOFF / 2
     # jittered: not every proxy waits the same share of the bound
-    assert len({round(gap / min(MAX_BACKOFF, 0.01 * 2 ** n), 6) for n, gap in enumerate(gaps, start=1)}) > 1
+    assert len({round(gap / min(MAX_BACKOFF, 0.01 * 2**n), 6) for n, gap in enumerate(gaps, start=1)}) > 1
     assert not xds.ready() and xds.pending() == ["xDS istio.security.Authorization", "xDS istio.workload.Address"]
     assert "nobody there" in xds.status()["last_error"]
     xds.stopService()
@@ -282,8 +301,13 @@ def test_the_ca_client_requests_local_identities_renews_at_half_life_and_forgets
     clock = task.Clock()
     clock.advance(time.time())
     pending: list[tuple[bytes, defer.Deferred]] = []
-    monkeypatch.setattr(certificates_module.grpc, "connect", lambda reactor, target, timeout: defer.succeed(
-        type("Connection", (), {"usable": True, "drain": lambda self, graceful: None})()))
+    monkeypatch.setattr(
+        certificates_module.grpc,
+        "connect",
+        lambda reactor, target, timeout: defer.succeed(
+            type("Connection", (), {"usable": True, "drain": lambda self, graceful: None})()
+        ),
+    )
 
     def unary(connection, method, request, metadata):
         answer = defer.Deferred()
@@ -296,8 +320,9 @@ def test_the_ca_client_requests_local_identities_renews_at_half_life_and_forgets
         request, deferred = pending[index]
         csr = x509.load_pem_x509_csr(ca_pb2.IstioCertificateRequest.FromString(request).csr.encode())
         leaf = ca.sign_csr(csr, timedelta(seconds=lifetime), now=datetime.fromtimestamp(clock.seconds(), tz=UTC))
-        deferred.callback(ca_pb2.IstioCertificateResponse(
-            cert_chain=[pem(leaf)] + [pem(c) for c in ca.chain]).SerializeToString())
+        deferred.callback(
+            ca_pb2.IstioCertificateResponse(cert_chain=[pem(leaf)] + [pem(c) for c in ca.chain]).SerializeToString()
+        )
 
     store = RemoteCertificateStore(clock, Target("127.0.0.1", 15012, None), secret_ttl=3600)
     a, b = SpiffeId("cluster.local", "ns", "a"), SpiffeId("cluster.local", "ns", "b")
@@ -338,7 +363,10 @@ def test_call_headers_carry_the_token_the_cluster_id_and_the_prefixed_variables(
     options = {"auth-token": "static-token", "cluster-id": "c1"}
     environ = {"XDS_HEADER_X_TENANT": "t1", "CA_HEADER_OTHER": "no"}
     assert _headers(options, "XDS_HEADER_", environ)() == [
-        ("x_tenant", "t1"), ("authorization", "Bearer static-token"), ("clusterid", "c1")]
+        ("x_tenant", "t1"),
+        ("authorization", "Bearer static-token"),
+        ("clusterid", "c1"),
+    ]
     token = tmp_path / "istio-token"
     token.write_text("first\n")
     headers = _headers({"auth-token": str(token), "cluster-id": "c1"}, "CA_HEADER_", environ)
@@ -379,12 +407,15 @@ def test_ztunnels_variables_become_the_xds_options_and_xds_mode_holds_no_ca_key(
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").rglob("*key*"))
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("--xds-address", "http://plain:15010"), "TLS is required"),
-    (("--xds-address", "https://a:1", "--config", builtin_example_path()), "exclude each other"),
-    (("--ca-address", "https://a:1", "--ca-dir", "/nonexistent"), "exclude each other"),
-    (("--secret-ttl", "soon"), "not a duration"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--xds-address", "http://plain:15010"), "TLS is required"),
+        (("--xds-address", "https://a:1", "--config", builtin_example_path()), "exclude each other"),
+        (("--ca-address", "https://a:1", "--ca-dir", "/nonexistent"), "exclude each other"),
+        (("--secret-ttl", "soon"), "not a duration"),
+    ],
+)
 def test_xds_option_mistakes_are_usage_errors(tmp_path, monkeypatch, args, message):
     from twisted.python import usage
 
@@ -399,9 +430,15 @@ def test_host_network_pods_sharing_their_nodes_address_are_accepted():
     pods = {}
     for name in ("a", "b"):
         uid = f"c//v1/Pod/kube-system/{name}"
-        pods[uid] = workload_pb2.Address(workload=workload_pb2.Workload(
-            uid=uid, name=name, namespace="kube-system", addresses=[bytes([10, 0, 0, 9])],
-            network_mode=workload_pb2.HOST_NETWORK))
+        pods[uid] = workload_pb2.Address(
+            workload=workload_pb2.Workload(
+                uid=uid,
+                name=name,
+                namespace="kube-system",
+                addresses=[bytes([10, 0, 0, 9])],
+                network_mode=workload_pb2.HOST_NETWORK,
+            )
+        )
     mesh, rejected = state.apply(response(ADDRESS_TYPE, pods))
     assert rejected == [] and {w.name for w in mesh.workloads} == {"a", "b"}
     assert mesh.workload_by_ip("10.0.0.9") is None

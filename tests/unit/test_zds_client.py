@@ -46,8 +46,15 @@ class Harness:
         self.metrics = Metrics()
         self.agents = defer.DeferredQueue()
         self.peers = []
-        self.client = ZdsClient(reactor, "/nonexistent/zds.sock", self.manager, self.metrics, backoff,
-                                retry_interval=retry_interval, connector=self._connect)
+        self.client = ZdsClient(
+            reactor,
+            "/nonexistent/zds.sock",
+            self.manager,
+            self.metrics,
+            backoff,
+            retry_interval=retry_interval,
+            connector=self._connect,
+        )
 
     def _connect(self, path):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -139,8 +146,7 @@ def test_snapshot_adds_keeps_and_becomes_ready(harness, own_netns):
     ack = yield request(agent, add("pod-a"), [own_netns.fileno()])
     assert ack.ok
     call = harness.manager.calls[0]
-    assert (call.method, call.uid, call.workload_info, call.netns_inode) == (
-        "add_pod", "pod-a", INFO, own_netns.inode)
+    assert (call.method, call.uid, call.workload_info, call.netns_inode) == ("add_pod", "pod-a", INFO, own_netns.inode)
     assert (yield request(agent, wire.encode_request(KeepWorkload("pod-b")))).ok
     assert not harness.client.ready()  # the snapshot is not complete yet
     assert (yield request(agent, wire.encode_request(SnapshotSent()))).ok
@@ -401,16 +407,20 @@ def _fds(count, netns):
 
 VIOLATIONS = {
     "missing_fd": (lambda ns: (add("pod-x"), []), "without a network namespace fd"),
-    "unexpected_fd": (lambda ns: (wire.encode_request(KeepWorkload("pod-x")), _fds(1, ns)),
-                      "keep request carries an fd"),
+    "unexpected_fd": (
+        lambda ns: (wire.encode_request(KeepWorkload("pod-x")), _fds(1, ns)),
+        "keep request carries an fd",
+    ),
     "too_many_fds": (lambda ns: (add("pod-x"), _fds(2, ns)), "expected at most 1 fd with a message, got 2"),
     "control_truncated": (lambda ns: (add("pod-x"), _fds(30, ns)), "truncated ancillary data"),
     "truncated": (lambda ns: (add("p" * 2000), _fds(1, ns)), "truncated message"),
     "unknown_message": (lambda ns: (bytes.fromhex("22 00"), []), "unknown field number 4"),
     "empty_message": (lambda ns: (b"", []), "no payload"),
     "decode_error": (lambda ns: (b"\xff\xff\xff", []), "cannot decode WorkloadRequest"),
-    "missing_workload_info": (lambda ns: (bytes.fromhex("0a 07 0a 05") + b"pod-x", _fds(1, ns)),
-                              "without workload_info"),
+    "missing_workload_info": (
+        lambda ns: (bytes.fromhex("0a 07 0a 05") + b"pod-x", _fds(1, ns)),
+        "without workload_info",
+    ),
     "missing_uid": (lambda ns: (wire.encode_request(DelWorkload("")), []), "del request without a uid"),
 }
 

@@ -136,7 +136,7 @@ def test_send_passes_fds_and_the_caller_keeps_its_own(pair):
         peer.settimeout(5)
         payload, ancdata, flags, _ = yield defer.succeed(peer.recvmsg(100, socket.CMSG_SPACE(16)))
         assert payload == b"to-peer"
-        (level, kind, data), = ancdata
+        ((level, kind, data),) = ancdata
         (fd,) = array.array("i", data)
         assert os.fstat(fd).st_ino == os.fstat(r).st_ino
         os.close(fd)

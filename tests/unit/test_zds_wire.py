@@ -93,8 +93,11 @@ def test_schema_field_numbers():
     assert fd.package == "istio.workload.zds"
     string, message, enum = 9, 11, 14
     assert _fields(zds_pb2.ZdsHello) == {"version": (1, enum)}
-    assert _fields(zds_pb2.WorkloadInfo) == {"name": (1, string), "namespace": (2, string),
-                                             "service_account": (3, string)}
+    assert _fields(zds_pb2.WorkloadInfo) == {
+        "name": (1, string),
+        "namespace": (2, string),
+        "service_account": (3, string),
+    }
     assert _fields(zds_pb2.AddWorkload) == {"uid": (1, string), "workload_info": (2, message)}
     assert _fields(zds_pb2.KeepWorkload) == {"uid": (1, string)}
     assert _fields(zds_pb2.DelWorkload) == {"uid": (2, string)}
@@ -102,11 +105,20 @@ def test_schema_field_numbers():
     assert _fields(zds_pb2.ShutdownStarting) == {"uid": (1, string)}
     assert _fields(zds_pb2.Ack) == {"error": (1, string)}
     assert _fields(zds_pb2.WorkloadRequest) == {
-        "add": (1, message), "del": (2, message), "snapshot_sent": (3, message),
-        "keep": (5, message), "shutdown_starting": (1191, message)}
+        "add": (1, message),
+        "del": (2, message),
+        "snapshot_sent": (3, message),
+        "keep": (5, message),
+        "shutdown_starting": (1191, message),
+    }
     assert _fields(zds_pb2.WorkloadResponse) == {"ack": (1, message)}
     assert [f.name for f in zds_pb2.WorkloadRequest.DESCRIPTOR.oneofs_by_name["payload"].fields] == [
-        "add", "del", "snapshot_sent", "keep", "shutdown_starting"]
+        "add",
+        "del",
+        "snapshot_sent",
+        "keep",
+        "shutdown_starting",
+    ]
     assert dict(zds_pb2.Version.items()) == {"NOT_USED": 0, "V1": 1}
 
 
@@ -155,8 +167,9 @@ def test_add_without_workload_info_names_the_uid():
         wire.decode_request(H("0a 03 0a 01 75"))
 
 
-@pytest.mark.parametrize(("data", "reason"), [(b"", "empty_message"), (H("12 00"), "unknown_message"),
-                                              (H("0a"), "decode_error")])
+@pytest.mark.parametrize(
+    ("data", "reason"), [(b"", "empty_message"), (H("12 00"), "unknown_message"), (H("0a"), "decode_error")]
+)
 def test_bad_responses(data, reason):
     with pytest.raises(ZdsProtocolError) as info:
         wire.decode_response(data)
@@ -219,7 +232,7 @@ def test_fuzz_mutated_requests(request, junk, position):
     # Near-valid input reaches deeper into the parser than random bytes.
     data = bytearray(wire.encode_request(request))
     position = min(position, len(data))
-    data[position:position + len(junk)] = junk
+    data[position : position + len(junk)] = junk
     _only_protocol_errors(wire.decode_request, bytes(data))
 
 

@@ -41,7 +41,9 @@ class DrainCoordinator:
             strategy.attach(self.facade)
 
     def pod_terminating(self, workload) -> defer.Deferred:
-        return self._deliver("pod_terminating", workload.name, lambda strategy: strategy.pod_terminating(self.facade, workload))
+        return self._deliver(
+            "pod_terminating", workload.name, lambda strategy: strategy.pod_terminating(self.facade, workload)
+        )
 
     def pod_removed(self, workload) -> defer.Deferred:
         return self._deliver("pod_removed", workload.name, lambda strategy: strategy.pod_removed(self.facade, workload))
@@ -57,7 +59,12 @@ class DrainCoordinator:
     def _deliver(self, event: str, subject: str, handle: Callable[[object], object]) -> defer.Deferred:
         """``handle(strategy)`` for each strategy in order; fires when every one's part is done."""
         started = self.clock.seconds()
-        log.info("drain event {event} for {subject}: strategies {strategies}", event=event, subject=subject, strategies=self.names)
+        log.info(
+            "drain event {event} for {subject}: strategies {strategies}",
+            event=event,
+            subject=subject,
+            strategies=self.names,
+        )
         results = []
         for strategy in self.strategies:
             self._events.labels(strategy=strategy.name, event=event).inc()
@@ -68,10 +75,21 @@ class DrainCoordinator:
         def done(_):
             elapsed = self.clock.seconds() - started
             self._durations.labels(event=event).observe(elapsed)
-            log.info("drain event {event} for {subject} complete after {elapsed:.3f} s", event=event, subject=subject, elapsed=elapsed)
+            log.info(
+                "drain event {event} for {subject} complete after {elapsed:.3f} s",
+                event=event,
+                subject=subject,
+                elapsed=elapsed,
+            )
 
         return defer.gatherResults(results).addCallback(done)
 
     def _failed(self, failure, strategy, event, subject) -> None:
         self._failures.labels(strategy=strategy.name, event=event).inc()
-        log.failure("drain strategy {strategy} failed on {event} for {subject}", failure, strategy=strategy.name, event=event, subject=subject)
+        log.failure(
+            "drain strategy {strategy} failed on {event} for {subject}",
+            failure,
+            strategy=strategy.name,
+            event=event,
+            subject=subject,
+        )

@@ -27,7 +27,11 @@ def installed_strategies() -> dict:
     for strategy in getPlugins(IDrainStrategy, twisted.plugins):
         name = getattr(strategy, "name", "")
         if not VALID_NAME.fullmatch(name or ""):
-            log.warn("ignoring drain strategy {strategy!r}: its name {name!r} cannot be selected", strategy=strategy, name=name)
+            log.warn(
+                "ignoring drain strategy {strategy!r}: its name {name!r} cannot be selected",
+                strategy=strategy,
+                name=name,
+            )
         elif name in strategies:
             log.warn(
                 "two drain strategies are named {name!r}: using {kept!r}, ignoring {ignored!r}",

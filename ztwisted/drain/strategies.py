@@ -70,7 +70,9 @@ class GoawayOnStart(DrainStrategy):
         connections = node.inbound_connections(workload)
         for connection in connections:
             connection.drain(graceful=True, deadline=None)
-        log.info("GOAWAY sent on {count} connections of terminating pod {pod}", count=len(connections), pod=workload.name)
+        log.info(
+            "GOAWAY sent on {count} connections of terminating pod {pod}", count=len(connections), pod=workload.name
+        )
 
 
 class LastMile(DrainStrategy):
@@ -103,7 +105,9 @@ class ExponentialBackoff:
 
 class ClientEvict(DrainStrategy):
     name = "client-evict"
-    description = "when a remote workload goes away, stop reusing pooled connections to it; retry failing peers with backoff"
+    description = (
+        "when a remote workload goes away, stop reusing pooled connections to it; retry failing peers with backoff"
+    )
 
     def attach(self, node) -> None:
         node.connect_backoff = ExponentialBackoff(rng=node.random)
@@ -112,7 +116,9 @@ class ClientEvict(DrainStrategy):
         connections = node.pool_connections(workload)
         for connection in connections:
             node.retire(connection)
-        log.info("retired {count} pooled connections to removed {workload}", count=len(connections), workload=workload.name)
+        log.info(
+            "retired {count} pooled connections to removed {workload}", count=len(connections), workload=workload.name
+        )
 
 
 class Gradual(DrainStrategy):

@@ -163,7 +163,9 @@ class GoawayFilter:
 
     def _check_limits(self, length: int, frame_type: int, flags: int) -> None:
         if length > self._max_frame_size:
-            raise FrameTooLarge(f"frame of type {frame_type} with {length} bytes, over the maximum frame size {self._max_frame_size}")
+            raise FrameTooLarge(
+                f"frame of type {frame_type} with {length} bytes, over the maximum frame size {self._max_frame_size}"
+            )
         if frame_type in (HEADERS_FRAME_TYPE, PUSH_PROMISE_FRAME_TYPE):
             self._header_block = length
         elif frame_type == CONTINUATION_FRAME_TYPE and self._in_header_block:
@@ -173,7 +175,9 @@ class GoawayFilter:
             return
         self._in_header_block = not flags & END_HEADERS_FLAG
         if self._header_block > self._max_header_block:
-            raise HeaderBlockTooLarge(f"header block of {self._header_block} bytes so far, over the cap of {self._max_header_block}")
+            raise HeaderBlockTooLarge(
+                f"header block of {self._header_block} bytes so far, over the cap of {self._max_header_block}"
+            )
 
 
 def _decode_goaway_payload(payload: bytes) -> ReceivedGoaway:

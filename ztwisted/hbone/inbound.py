@@ -120,7 +120,9 @@ class InboundHBONE:
         self.network = network
         self.connections: set[HBONEConnection] = set()
         # The workload may be updated by discovery (in-pod mode); new connections take its identity then.
-        self._tls = ServerTLS(lambda: context.certificates.get(self.workload.identity), trust_domain=workload.trust_domain)
+        self._tls = ServerTLS(
+            lambda: context.certificates.get(self.workload.identity), trust_domain=workload.trust_domain
+        )
 
     def factory(self) -> TLSMemoryBIOFactory:
         return tls_factory(self._tls, False, _ConnectionFactory(self), factory_class=_InboundTLSFactory)
@@ -287,8 +289,15 @@ class _PlaintextInbound(TCPEnd):
         record = ConnectionRecord(
             context.metrics,
             context.reactor,
-            ConnectionLabels.for_connection("destination", destination=workload, destination_identity=workload.identity),
-            **{"direction": "inbound", "src.addr": f"{peer.host}:{peer.port}", "dst.addr": f"{ip}:{port}", "dst.workload": workload.name},
+            ConnectionLabels.for_connection(
+                "destination", destination=workload, destination_identity=workload.identity
+            ),
+            **{
+                "direction": "inbound",
+                "src.addr": f"{peer.host}:{peer.port}",
+                "dst.addr": f"{ip}:{port}",
+                "dst.workload": workload.name,
+            },
         )
         if port in illegal_ports(context.settings):
             record.refused("-", SELF_CALL.format(port=port))

@@ -46,7 +46,9 @@ class Outbound:
         self.context.metrics.pool_connections_opened.inc()
         track_hbone_connection(self.context.metrics, connection, "outbound")
 
-    def connect(self, app: TCPEnd, source: tuple[str, int], host: str, port: int, source_workload=None) -> defer.Deferred:
+    def connect(
+        self, app: TCPEnd, source: tuple[str, int], host: str, port: int, source_workload=None
+    ) -> defer.Deferred:
         """Open the upstream for ``app`` and splice them; fires when the upstream is open.
 
         The source workload is the local workload whose IP ``app`` comes from,
@@ -63,7 +65,9 @@ class Outbound:
             log.warn("refusing outbound connection from {source}: no local workload has that address", source=source_ip)
             raise OutboundRefused(Reply.NOT_ALLOWED, f"{source_ip} is not a local workload")
         ip = self._resolve_host(host, source_workload.namespace)
-        destination = context.mesh.resolve(ip, port, choice=context.random.choice, client_namespace=source_workload.namespace)
+        destination = context.mesh.resolve(
+            ip, port, choice=context.random.choice, client_namespace=source_workload.namespace
+        )
         if destination.kind == "unroutable":
             raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
         target = destination.workload
@@ -257,7 +261,10 @@ class _RedirectedApp(TCPEnd):
         local = self.transport.getHost()
         peer = self.transport.getPeer()
         if destination is None or destination == (local.host, local.port):
-            log.warn("outbound connection from {peer} was not redirected: no original destination", peer=f"{peer.host}:{peer.port}")
+            log.warn(
+                "outbound connection from {peer} was not redirected: no original destination",
+                peer=f"{peer.host}:{peer.port}",
+            )
             self.transport.loseConnection()
             return
         opening = self.outbound.connect(self, (peer.host, peer.port), *destination, source_workload=self.source)
@@ -269,5 +276,9 @@ class _RedirectedApp(TCPEnd):
         self.outbound.app_connections.remove(self)
 
     def _failed(self, failure, destination) -> None:
-        log.info("outbound connection to {dst} failed: {why}", dst="{}:{}".format(*destination), why=failure.getErrorMessage())
+        log.info(
+            "outbound connection to {dst} failed: {why}",
+            dst="{}:{}".format(*destination),
+            why=failure.getErrorMessage(),
+        )
         self.abort()

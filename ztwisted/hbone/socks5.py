@@ -121,9 +121,7 @@ def _parse_request(buf: bytes) -> tuple[int, int, AddressType, str, int] | None:
         return None
     version, command, reserved, atyp = buf[0], buf[1], buf[2], buf[3]
     if version != SOCKS_VERSION:
-        raise _Malformed(
-            "bad_version", f"request has version {version}, expected 5", Reply.GENERAL_FAILURE
-        )
+        raise _Malformed("bad_version", f"request has version {version}, expected 5", Reply.GENERAL_FAILURE)
     if atyp == AddressType.IPV4:
         end = 4 + 4
     elif atyp == AddressType.IPV6:
@@ -149,7 +147,8 @@ def _parse_request(buf: bytes) -> tuple[int, int, AddressType, str, int] | None:
         )
     if reserved != 0:
         raise _Malformed(
-            "malformed_request", f"reserved byte is {reserved:#04x}, expected 0x00",
+            "malformed_request",
+            f"reserved byte is {reserved:#04x}, expected 0x00",
             Reply.GENERAL_FAILURE,
         )
     (port,) = struct.unpack("!H", buf[end : end + 2])
@@ -171,13 +170,9 @@ def _decode_domain(raw: bytes) -> str:
     try:
         name = raw.decode("ascii")
     except UnicodeDecodeError:
-        raise _Malformed(
-            "malformed_request", f"domain name {raw!r} is not ASCII", Reply.GENERAL_FAILURE
-        ) from None
+        raise _Malformed("malformed_request", f"domain name {raw!r} is not ASCII", Reply.GENERAL_FAILURE) from None
     if not _HOSTNAME.match(name):
-        raise _Malformed(
-            "malformed_request", f"domain name {name!r} is not a hostname", Reply.GENERAL_FAILURE
-        )
+        raise _Malformed("malformed_request", f"domain name {name!r} is not a hostname", Reply.GENERAL_FAILURE)
     return name
 
 
@@ -256,8 +251,7 @@ class Socks5Protocol(Protocol):
             self._refuse(problem.reason, problem.problem, problem.reply)
         except Exception:  # noqa: BLE001 - logged; the client must not hang
             # A bug here must not leave the client hanging or escape to the reactor.
-            self.log.failure("SOCKS5 client {client}: internal error in handshake",
-                             client=self._client)
+            self.log.failure("SOCKS5 client {client}: internal error in handshake", client=self._client)
             self._refuse("internal_error", None, Reply.GENERAL_FAILURE)
 
     def readConnectionLost(self) -> None:
@@ -266,8 +260,7 @@ class Socks5Protocol(Protocol):
         elif self._state is _State.CONNECTING:
             self._read_closed = True
         elif self._state is not _State.CLOSED:
-            self._refuse("incomplete_handshake",
-                         f"closed its side during the {self._state.value}", None)
+            self._refuse("incomplete_handshake", f"closed its side during the {self._state.value}", None)
 
     def writeConnectionLost(self) -> None:
         """Not sent for TCP; nothing to do."""
@@ -314,8 +307,7 @@ class Socks5Protocol(Protocol):
         self._limit_early_data()
         pending = defer.maybeDeferred(self._connect_request, request)
         self._pending = pending
-        pending.addCallbacks(self._connected, self._connect_failed,
-                             errbackArgs=(request,))
+        pending.addCallbacks(self._connected, self._connect_failed, errbackArgs=(request,))
         pending.addErrback(self._relay_setup_failed)
 
     def _connected(self, sink: Any) -> None:
@@ -347,18 +339,15 @@ class Socks5Protocol(Protocol):
             code = failure.value.reply_code
             problem = f"CONNECT {destination} refused: {failure.value.message}"
         else:
-            code = next((reply for kind, reply in _ERROR_REPLIES if failure.check(kind)),
-                        Reply.GENERAL_FAILURE)
+            code = next((reply for kind, reply in _ERROR_REPLIES if failure.check(kind)), Reply.GENERAL_FAILURE)
             problem = f"CONNECT {destination} failed: {failure.getErrorMessage()}"
             if code == Reply.GENERAL_FAILURE:
-                self.log.failure("SOCKS5 client {client}: {problem}", failure,
-                                 client=self._client, problem=problem)
+                self.log.failure("SOCKS5 client {client}: {problem}", failure, client=self._client, problem=problem)
                 problem = None
         self._refuse("connect_failed", problem, code)
 
     def _relay_setup_failed(self, failure: Failure) -> None:
-        self.log.failure("SOCKS5 client {client}: relay setup failed", failure,
-                         client=self._client)
+        self.log.failure("SOCKS5 client {client}: relay setup failed", failure, client=self._client)
         self._on_error_slug("internal_error")
         self.transport.abortConnection()
 
@@ -374,7 +363,8 @@ class Socks5Protocol(Protocol):
         if problem is not None:
             # twisted.logger.Logger names this level "warn" (it has no warning()).
             self.log.warn(  # noqa: G010
-                "SOCKS5 client {client}: {problem}", client=self._client, problem=problem)
+                "SOCKS5 client {client}: {problem}", client=self._client, problem=problem
+            )
         self._on_error_slug(reason)
         self._state = _State.CLOSED
         self._cancel_timer()
@@ -390,8 +380,7 @@ class Socks5Protocol(Protocol):
         self._timer = None
         self._refuse(
             "timeout",
-            f"handshake not completed within {self._handshake_timeout:g} s "
-            f"(stuck in {self._state.value})",
+            f"handshake not completed within {self._handshake_timeout:g} s (stuck in {self._state.value})",
             None,
         )
 
@@ -427,7 +416,6 @@ class Socks5Factory(Factory):
         self.handshake_timeout = handshake_timeout
 
     def buildProtocol(self, addr: Any) -> Socks5Protocol:
-        protocol = self.protocol(self.connect_request, self.clock, self.on_error,
-                                 self.handshake_timeout)
+        protocol = self.protocol(self.connect_request, self.clock, self.on_error, self.handshake_timeout)
         protocol.factory = self
         return protocol

@@ -83,18 +83,23 @@ class _Metrics:
         self.protocol_errors = metrics.counter(
             "ztwisted_zds_protocol_errors_total",
             "ZDS protocol violations by the node agent (each answered by an error Ack and a reconnect)",
-            ["reason"])
+            ["reason"],
+        )
         self.start_failures = metrics.counter(
-            "ztwisted_zds_pod_start_failures_total",
-            "Pod proxies that failed to start (error Ack; retried every 5 s)")
+            "ztwisted_zds_pod_start_failures_total", "Pod proxies that failed to start (error Ack; retried every 5 s)"
+        )
         self.active = metrics.gauge(
-            "workload_manager_active_proxy_count", "The total number current workloads with active proxies")
+            "workload_manager_active_proxy_count", "The total number current workloads with active proxies"
+        )
         self.pending = metrics.gauge(
-            "workload_manager_pending_proxy_count", "The total number current workloads with pending proxies")
+            "workload_manager_pending_proxy_count", "The total number current workloads with pending proxies"
+        )
         self.started = metrics.counter(
-            "workload_manager_proxies_started_total", "The total number of proxies that were started")
+            "workload_manager_proxies_started_total", "The total number of proxies that were started"
+        )
         self.stopped = metrics.counter(
-            "workload_manager_proxies_stopped_total", "The total number of proxies that were stopped")
+            "workload_manager_proxies_stopped_total", "The total number of proxies that were stopped"
+        )
 
 
 @attrs.define
@@ -159,25 +164,23 @@ class _SerialJobs:
         self._pump()
 
 
-def validate_datagram(payload: bytes, fds: list[int], flags: int, max_datagram: int) -> tuple[wire.Request, Netns | None]:
+def validate_datagram(
+    payload: bytes, fds: list[int], flags: int, max_datagram: int
+) -> tuple[wire.Request, Netns | None]:
     """Decode and check one datagram; on any error every received fd is closed."""
     try:
         if flags & socket.MSG_TRUNC:
-            raise wire.ZdsProtocolError(
-                "truncated", f"received a truncated message (larger than {max_datagram} bytes)")
+            raise wire.ZdsProtocolError("truncated", f"received a truncated message (larger than {max_datagram} bytes)")
         if flags & socket.MSG_CTRUNC:
-            raise wire.ZdsProtocolError(
-                "control_truncated", "received truncated ancillary data (too many fds?)")
+            raise wire.ZdsProtocolError("control_truncated", "received truncated ancillary data (too many fds?)")
         if len(fds) > 1:
             raise wire.ZdsProtocolError("too_many_fds", f"expected at most 1 fd with a message, got {len(fds)}")
         request = wire.decode_request(payload)
         if isinstance(request, wire.AddWorkload):
             if not fds:
-                raise wire.ZdsProtocolError(
-                    "missing_fd", f"add for uid {request.uid!r} without a network namespace fd")
+                raise wire.ZdsProtocolError("missing_fd", f"add for uid {request.uid!r} without a network namespace fd")
         elif fds:
-            raise wire.ZdsProtocolError(
-                "unexpected_fd", f"{request.kind} request carries an fd; only add may")
+            raise wire.ZdsProtocolError("unexpected_fd", f"{request.kind} request carries an fd; only add may")
     except wire.ZdsProtocolError:
         for fd in fds:
             _close_fd(fd)
@@ -198,7 +201,6 @@ def validate_datagram(payload: bytes, fds: list[int], flags: int, max_datagram: 
     return request, netns
 
 
-
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)
@@ -216,7 +218,8 @@ class _Session:
         self.snapshot_names: set[str] = set()
         self.failed = False  # a protocol error: ignore the rest, the connection is closing
         self.conn = SeqpacketConnection(
-            client.reactor, sock, self, max_datagram=client.max_datagram, name=f"zds#{number}")
+            client.reactor, sock, self, max_datagram=client.max_datagram, name=f"zds#{number}"
+        )
 
     @property
     def open(self) -> bool:
@@ -230,13 +233,20 @@ class _Session:
         try:
             self.conn.send(wire.encode_ack(error))
         except ConnectionDone:
-            log.warn("{session}: Ack not sent, the connection to the node agent is gone (error={error!r})",
-                     session=self.conn.name, error=error)
+            log.warn(
+                "{session}: Ack not sent, the connection to the node agent is gone (error={error!r})",
+                session=self.conn.name,
+                error=error,
+            )
 
     def protocol_error(self, err: wire.ZdsProtocolError) -> None:
         """Answer with an error Ack and drop the connection (the agent resends its snapshot)."""
-        log.error("ZDS protocol error from the node agent ({reason}): {message}; answering with an error Ack "
-                  "and reconnecting", reason=err.reason, message=err.message)
+        log.error(
+            "ZDS protocol error from the node agent ({reason}): {message}; answering with an error Ack "
+            "and reconnecting",
+            reason=err.reason,
+            message=err.message,
+        )
         if self.client._metrics is not None:
             self.client._metrics.protocol_errors.labels(reason=err.reason).inc()
         self.failed = True
@@ -371,8 +381,11 @@ class ZdsClient(service.Service):
         if self._session is not session:
             return
         self._session = None
-        log.info("connection to the node agent lost ({session}): {reason}",
-                 session=session.conn.name, reason=reason.getErrorMessage())
+        log.info(
+            "connection to the node agent lost ({session}): {reason}",
+            session=session.conn.name,
+            reason=reason.getErrorMessage(),
+        )
         # Pending starts belong to this connection's view; the next snapshot resends them.
         if self._retry_call is not None and self._retry_call.active():
             self._retry_call.cancel()
@@ -392,8 +405,9 @@ class ZdsClient(service.Service):
         except wire.ZdsProtocolError as err:
             session.protocol_error(err)
             return None
-        log.info("{session}: {kind} {uid}", session=session.conn.name, kind=request.kind,
-                 uid=getattr(request, "uid", ""))
+        log.info(
+            "{session}: {kind} {uid}", session=session.conn.name, kind=request.kind, uid=getattr(request, "uid", "")
+        )
         try:
             outcome = self._apply(session, request, netns)
         except wire.ZdsProtocolError as err:
@@ -414,7 +428,8 @@ class ZdsClient(service.Service):
         if isinstance(request, wire.KeepWorkload):
             if session.snapshot_received:
                 raise wire.ZdsProtocolError(
-                    "keep_after_snapshot", f"keep for uid {request.uid!r} after the snapshot was complete")
+                    "keep_after_snapshot", f"keep for uid {request.uid!r} after the snapshot was complete"
+                )
             session.snapshot_names.add(request.uid)
             return defer.succeed("")
         if isinstance(request, wire.DelWorkload):
@@ -458,8 +473,9 @@ class ZdsClient(service.Service):
             if self._metrics is not None:
                 self._metrics.started.inc()
             self._update_gauges()
-            log.info("proxy for pod {uid} ({namespace}/{name}) started", uid=uid, namespace=info.namespace,
-                     name=info.name)
+            log.info(
+                "proxy for pod {uid} ({namespace}/{name}) started", uid=uid, namespace=info.namespace, name=info.name
+            )
             return ""
 
         def failed(failure: Failure) -> str:
@@ -474,8 +490,12 @@ class ZdsClient(service.Service):
             if self._metrics is not None:
                 self._metrics.start_failures.inc()
             self._update_gauges()
-            log.error("proxy for pod {uid} failed to start: {message}; retrying every {interval:g} s",
-                      uid=uid, message=message, interval=self.retry_interval)
+            log.error(
+                "proxy for pod {uid} failed to start: {message}; retrying every {interval:g} s",
+                uid=uid,
+                message=message,
+                interval=self.retry_interval,
+            )
             return message
 
         return defer.maybeDeferred(self.manager.add_pod, uid, info, netns).addCallbacks(started, failed)
@@ -516,8 +536,11 @@ class ZdsClient(service.Service):
         session.snapshot_names.clear()
         self._delay = self.backoff[0]  # a healthy connection: start the backoff over
         self._update_gauges()
-        log.info("snapshot from the node agent complete ({count} pods running, {pending} pending)",
-                 count=len(self.manager.running_pods()), pending=len(self._pending))
+        log.info(
+            "snapshot from the node agent complete ({count} pods running, {pending} pending)",
+            count=len(self.manager.running_pods()),
+            pending=len(self._pending),
+        )
 
     # -- retrying failed starts --------------------------------------------------
 
@@ -553,8 +576,9 @@ def _ack_text(action: Callable[[str], object], uid: str) -> defer.Deferred:
     """``action(uid)`` (a manager method), firing with "" or the failure's message (logged)."""
 
     def failed(failure: Failure) -> str:
-        log.error("{method}({uid}) failed: {message}", method=action.__name__, uid=uid,
-                  message=failure.getErrorMessage())
+        log.error(
+            "{method}({uid}) failed: {message}", method=action.__name__, uid=uid, message=failure.getErrorMessage()
+        )
         return failure.getErrorMessage()
 
     return defer.maybeDeferred(action, uid).addCallbacks(lambda _: "", failed)

@@ -76,11 +76,18 @@ class PodProxies:
         workloads = self.node.workloads
         workload = pod_workload(uid, workload_info, workloads.mesh, workloads.node_name)
         if not workload.workload_ips:
-            log.info("pod {pod} ({uid}) is not known to discovery yet: starting its proxy from the node agent's "
-                     "workload info; its addresses and services follow when discovery has them",
-                     pod=f"{workload.namespace}/{workload.name}", uid=uid)
+            log.info(
+                "pod {pod} ({uid}) is not known to discovery yet: starting its proxy from the node agent's "
+                "workload info; its addresses and services follow when discovery has them",
+                pod=f"{workload.namespace}/{workload.name}",
+                uid=uid,
+            )
         network = PodNetwork(self.node.context.reactor, netns, mark=workloads.host_network.mark)
-        log.info("starting the proxy of pod {pod} in {netns}", pod=f"{workload.namespace}/{workload.name}", netns=network.name)
+        log.info(
+            "starting the proxy of pod {pod} in {netns}",
+            pod=f"{workload.namespace}/{workload.name}",
+            netns=network.name,
+        )
 
         def started(result):
             self._running[uid] = workload
@@ -94,9 +101,12 @@ class PodProxies:
         for uid, info in self._infos.items():
             workload = pod_workload(uid, info, mesh, self.node.workloads.node_name)
             if workload != self._running.get(uid):
-                log.info("pod {pod} ({uid}): discovery updated it (addresses {ips})",
-                         pod=f"{workload.namespace}/{workload.name}", uid=uid,
-                         ips=[str(ip) for ip in workload.workload_ips])
+                log.info(
+                    "pod {pod} ({uid}): discovery updated it (addresses {ips})",
+                    pod=f"{workload.namespace}/{workload.name}",
+                    uid=uid,
+                    ips=[str(ip) for ip in workload.workload_ips],
+                )
                 self._running[uid] = workload
                 self.node.update_pod(workload)
 

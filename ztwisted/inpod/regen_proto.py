@@ -50,8 +50,7 @@ def generate(out_dir: Path) -> dict[Path, str]:
     if status != 0:
         raise SystemExit(f"protoc failed with status {status} on {', '.join(relative)}")
     return {
-        generated_path(proto): (out_dir / generated_path(proto).relative_to(REPO_ROOT)).read_text()
-        for proto in PROTOS
+        generated_path(proto): (out_dir / generated_path(proto).relative_to(REPO_ROOT)).read_text() for proto in PROTOS
     }
 
 
@@ -71,14 +70,22 @@ def main(argv: list[str] | None = None) -> int:
         committed = path.read_text() if path.exists() else ""
         if text != committed:
             stale.append(path)
-            sys.stdout.writelines(difflib.unified_diff(
-                committed.splitlines(keepends=True), text.splitlines(keepends=True),
-                fromfile=f"{path} (committed)", tofile="regenerated"))
+            sys.stdout.writelines(
+                difflib.unified_diff(
+                    committed.splitlines(keepends=True),
+                    text.splitlines(keepends=True),
+                    fromfile=f"{path} (committed)",
+                    tofile="regenerated",
+                )
+            )
     if not stale:
         print(f"{len(fresh)} generated modules are up to date with their .proto files")
         return 0
-    print(f"\n{', '.join(p.name for p in stale)} differ from what the .proto files generate: "
-          "run `python ztwisted/inpod/regen_proto.py --write` and commit the result", file=sys.stderr)
+    print(
+        f"\n{', '.join(p.name for p in stale)} differ from what the .proto files generate: "
+        "run `python ztwisted/inpod/regen_proto.py --write` and commit the result",
+        file=sys.stderr,
+    )
     return 1
 
 

@@ -155,7 +155,8 @@ class SeqpacketConnection:
                 return None
             try:
                 payload, ancdata, flags, _ = self._sock.recvmsg(
-                    self._bufsize, self._ancbufsize, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+                    self._bufsize, self._ancbufsize, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+                )
             except BlockingIOError:
                 return None
             except OSError as exc:
@@ -172,8 +173,11 @@ class SeqpacketConnection:
             flags &= ~socket.MSG_CMSG_CLOEXEC  # Linux echoes the request flag back
             if not payload and not fds and not flags and _peer_hung_up(self._fileno):
                 if self._reset_seen:
-                    failure = Failure(twisted_error.ConnectionLost(
-                        f"{self.name}: the peer closed the connection without reading everything we sent"))
+                    failure = Failure(
+                        twisted_error.ConnectionLost(
+                            f"{self.name}: the peer closed the connection without reading everything we sent"
+                        )
+                    )
                 else:
                     failure = Failure(twisted_error.ConnectionDone(f"{self.name}: the peer closed the connection"))
                 self._disconnect(failure)
@@ -230,7 +234,8 @@ class SeqpacketConnection:
         for _ in range(1024):
             try:
                 payload, ancdata, flags, _ = self._sock.recvmsg(
-                    self._bufsize, self._ancbufsize, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+                    self._bufsize, self._ancbufsize, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+                )
             except OSError:
                 return
             fds = _fds_from(ancdata)

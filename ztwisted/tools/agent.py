@@ -195,9 +195,15 @@ class ProxyConnection:
         if self._outstanding is item:
             self._outstanding = None
         level = log.info if result.ok else log.warn
-        level("proxy#{proxy}: {request} {uid} -> {outcome} {error} ({latency})", proxy=self.number,
-              request=result.request, uid=result.uid, outcome=result.outcome, error=result.error,
-              latency="-" if result.latency is None else f"{result.latency * 1000:.1f} ms")
+        level(
+            "proxy#{proxy}: {request} {uid} -> {outcome} {error} ({latency})",
+            proxy=self.number,
+            request=result.request,
+            uid=result.uid,
+            outcome=result.outcome,
+            error=result.error,
+            latency="-" if result.latency is None else f"{result.latency * 1000:.1f} ms",
+        )
         if isinstance(item.request, wire.SnapshotSent) and result.outcome in ("ok", "error"):
             self.snapshot_complete = True
         item.result.callback(result)
@@ -243,18 +249,28 @@ class ProxyConnection:
         try:
             ack = wire.decode_response(payload)
         except wire.ZdsProtocolError as err:
-            log.error("proxy#{proxy} sent an undecodable response ({error}); dropping it",
-                      proxy=self.number, error=err.message)
+            log.error(
+                "proxy#{proxy} sent an undecodable response ({error}); dropping it",
+                proxy=self.number,
+                error=err.message,
+            )
             self.conn.abort()
             return
         now = self.reactor.seconds()
         if self._timed_out:
             late = self._timed_out.popleft()
-            entry = {"request": late.request.kind, "uid": late.uid, "error": ack.error,
-                     "latency_ms": round((now - late.sent_at) * 1000, 3)}
+            entry = {
+                "request": late.request.kind,
+                "uid": late.uid,
+                "error": ack.error,
+                "latency_ms": round((now - late.sent_at) * 1000, 3),
+            }
             self.late_acks.append(entry)
-            log.warn("proxy#{proxy}: late Ack for {request} {uid} after {latency_ms} ms: {error!r}",
-                     proxy=self.number, **entry)
+            log.warn(
+                "proxy#{proxy}: late Ack for {request} {uid} after {latency_ms} ms: {error!r}",
+                proxy=self.number,
+                **entry,
+            )
             return
         item = self._outstanding
         if item is None:
@@ -281,8 +297,11 @@ class ProxyConnection:
         self._next()
 
     def _no_hello(self) -> None:
-        log.warn("proxy#{proxy} sent no hello within {timeout:g} s; dropping it",
-                 proxy=self.number, timeout=self.agent.hello_timeout)
+        log.warn(
+            "proxy#{proxy} sent no hello within {timeout:g} s; dropping it",
+            proxy=self.number,
+            timeout=self.agent.hello_timeout,
+        )
         self.conn.abort()
 
     def connection_lost(self, reason: Failure) -> None:
@@ -302,8 +321,15 @@ class ProxyConnection:
 class ZdsAgent:
     """The node agent: pods it knows, connected proxies, the rules between them."""
 
-    def __init__(self, reactor: Any, socket_path: str, *, ack_timeout: float = ACK_TIMEOUT,
-                 hello_timeout: float = HELLO_TIMEOUT, manual_snapshot: bool = False) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        socket_path: str,
+        *,
+        ack_timeout: float = ACK_TIMEOUT,
+        hello_timeout: float = HELLO_TIMEOUT,
+        manual_snapshot: bool = False,
+    ) -> None:
         self.reactor = reactor
         self.socket_path = str(socket_path)
         self.ack_timeout = ack_timeout
@@ -476,8 +502,7 @@ class _Operation(Resource):
         agent = self.agent
         if self.name == "add":
             uid = _field(body, "uid")
-            info = wire.WorkloadInfo(_field(body, "name"), _field(body, "namespace"),
-                                     _field(body, "service_account"))
+            info = wire.WorkloadInfo(_field(body, "name"), _field(body, "namespace"), _field(body, "service_account"))
             return uid, agent.add_pod(uid, info, _field(body, "netns"))
         if self.name == "keep":
             uid = _field(body, "uid")
@@ -520,14 +545,17 @@ def _control_address(description: str) -> tuple[str, str, int]:
     try:
         serverFromString(recorder, description).listen(Factory())
     except Exception as exc:  # noqa: BLE001 - any parse error is the same usage mistake
-        raise ValueError(f"control address {description!r}: expected tcp:PORT[:interface=IP], unix:PATH "
-                         f"or http://HOST:PORT ({exc})") from None
+        raise ValueError(
+            f"control address {description!r}: expected tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT ({exc})"
+        ) from None
     if recorder.tcpServers:
         port, _, _, interface = recorder.tcpServers[0]
         return "tcp", interface if interface not in ("", "0.0.0.0", "::") else "127.0.0.1", port
     if recorder.unixServers:
         return "unix", recorder.unixServers[0][0], 0
-    raise ValueError(f"control address {description!r}: expected tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT")
+    raise ValueError(
+        f"control address {description!r}: expected tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT"
+    )
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -541,8 +569,9 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self._path)
 
 
-def call_control(control: str, operation: str, body: dict[str, Any] | None = None,
-                 timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+def call_control(
+    control: str, operation: str, body: dict[str, Any] | None = None, timeout: float = 120.0
+) -> tuple[int, dict[str, Any]]:
     """One blocking call of the control API: (HTTP status, JSON body)."""
     kind, where, port = _control_address(control)
     conn: http.client.HTTPConnection
@@ -554,8 +583,7 @@ def call_control(control: str, operation: str, body: dict[str, Any] | None = Non
         if operation == "status":
             conn.request("GET", "/status")
         else:
-            conn.request("POST", f"/{operation}", json.dumps(body or {}).encode(),
-                         {"Content-Type": "application/json"})
+            conn.request("POST", f"/{operation}", json.dumps(body or {}).encode(), {"Content-Type": "application/json"})
         response = conn.getresponse()
         data = response.read()
     finally:
@@ -566,8 +594,10 @@ def call_control(control: str, operation: str, body: dict[str, Any] | None = Non
         return response.status, {"error": data.decode("utf-8", "replace")}
 
 
-CONTROL_HELP = (f"Control API address: tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT "
-                f"(default: ${CONTROL_ENV} or {DEFAULT_CONTROL}).")
+CONTROL_HELP = (
+    f"Control API address: tcp:PORT[:interface=IP], unix:PATH or http://HOST:PORT "
+    f"(default: ${CONTROL_ENV} or {DEFAULT_CONTROL})."
+)
 
 
 def _positive_seconds(value: str) -> float:
@@ -655,8 +685,13 @@ def _serve(args: ServeOptions) -> int:
     from twisted.logger import globalLogBeginner, textFileLogObserver
 
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stderr)], redirectStandardIO=False)
-    agent = ZdsAgent(reactor, args["socket"], ack_timeout=args["ack-timeout"], hello_timeout=args["hello-timeout"],
-                     manual_snapshot=bool(args["manual-snapshot"]))
+    agent = ZdsAgent(
+        reactor,
+        args["socket"],
+        ack_timeout=args["ack-timeout"],
+        hello_timeout=args["hello-timeout"],
+        manual_snapshot=bool(args["manual-snapshot"]),
+    )
     control = args["control"] or os.environ.get(CONTROL_ENV) or DEFAULT_CONTROL
     try:
         agent.start()
@@ -680,8 +715,12 @@ def _serve(args: ServeOptions) -> int:
         reactor.stop()
 
     reactor.callWhenRunning(
-        lambda: serverFromString(reactor, control).listen(Site(control_resource(agent)))
-        .addCallbacks(listening, cannot_listen))
+        lambda: (
+            serverFromString(reactor, control)
+            .listen(Site(control_resource(agent)))
+            .addCallbacks(listening, cannot_listen)
+        )
+    )
     reactor.addSystemEventTrigger("before", "shutdown", agent.stop)
     reactor.run()
     if failed:
@@ -695,8 +734,7 @@ def _client(command: str, args: ControlOptions) -> int:
     try:
         status, reply = call_control(control, command, args.body(), timeout=args["timeout"])
     except (OSError, ValueError, http.client.HTTPException) as exc:
-        print(f"ztunnel-agent {command}: cannot reach the agent's control API at {control}: {exc}",
-              file=sys.stderr)
+        print(f"ztunnel-agent {command}: cannot reach the agent's control API at {control}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(reply, indent=2))
     if status != 200:

@@ -79,8 +79,11 @@ class MeshStore:
         }
         if self.invalid:
             # Five address bytes: neither IPv4 nor IPv6.
-            bad = workload_pb2.Address(workload=workload_pb2.Workload(
-                uid=INVALID_RESOURCE_NAME, name="invalid", namespace="lab", addresses=[b"\x0a\x00\x00\x01\x02"]))
+            bad = workload_pb2.Address(
+                workload=workload_pb2.Workload(
+                    uid=INVALID_RESOURCE_NAME, name="invalid", namespace="lab", addresses=[b"\x0a\x00\x00\x01\x02"]
+                )
+            )
             built[ADDRESS_TYPE][INVALID_RESOURCE_NAME] = (_version(bad), bad)
         return built
 
@@ -98,6 +101,7 @@ class MeshStore:
     def set_invalid(self, present: bool) -> None:
         def edit(_document):
             self.invalid = present
+
         self.change(edit)
 
     def snapshot(self):
@@ -121,8 +125,10 @@ def check_token(context, token: str | None) -> None:
         return
     sent = dict(context.invocation_metadata()).get("authorization")
     if sent != f"Bearer {token}":
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "no bearer token" if sent is None else "the bearer token is not the one this control plane expects")
+        context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "no bearer token" if sent is None else "the bearer token is not the one this control plane expects",
+        )
 
 
 class AdsServicer:
@@ -138,8 +144,14 @@ class AdsServicer:
         store = self.store
         stream_id = next(self._ids)
         events: queue.Queue = queue.Queue()
-        info = {"peer": context.peer(), "node": None, "acks": 0, "nacks": [], "open": True,
-                "metadata": {k: v for k, v in context.invocation_metadata() if k != "authorization"}}
+        info = {
+            "peer": context.peer(),
+            "node": None,
+            "acks": 0,
+            "nacks": [],
+            "open": True,
+            "metadata": {k: v for k, v in context.invocation_metadata() if k != "authorization"},
+        }
         with store.lock:
             store.listeners.append(events)
             store.streams[stream_id] = info
@@ -165,8 +177,13 @@ class AdsServicer:
                         info["node"] = request.node.id
                     if request.response_nonce:
                         if request.HasField("error_detail"):
-                            info["nacks"].append({"type_url": request.type_url, "nonce": request.response_nonce,
-                                                  "error": request.error_detail.message})
+                            info["nacks"].append(
+                                {
+                                    "type_url": request.type_url,
+                                    "nonce": request.response_nonce,
+                                    "error": request.error_detail.message,
+                                }
+                            )
                         else:
                             info["acks"] += 1
                         continue
@@ -225,8 +242,15 @@ class CertificateServicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         sans = [str(n.value) for n in leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value]
         with self.store.lock:
-            self.store.signed.append({"peer": context.peer(), "sans": sans, "serial": format(leaf.serial_number, "x"),
-                                      "ttl": ttl, "clusterid": metadata.get("clusterid")})
+            self.store.signed.append(
+                {
+                    "peer": context.peer(),
+                    "sans": sans,
+                    "serial": format(leaf.serial_number, "x"),
+                    "ttl": ttl,
+                    "clusterid": metadata.get("clusterid"),
+                }
+            )
         pem = serialization.Encoding.PEM
         chain = [leaf.public_bytes(pem).decode()] + [c.public_bytes(pem).decode() for c in self.ca.chain]
         if self.ca.roots[0] not in self.ca.chain:
@@ -243,8 +267,12 @@ def serving_certificate(ca: CertificateAuthority, names: list[str], directory: P
             sans.append(x509.IPAddress(ipaddress.ip_address(name)))
         except ValueError:
             sans.append(x509.DNSName(name))
-    csr = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).add_extension(
-        x509.SubjectAlternativeName(sans), critical=False).sign(key, hashes.SHA256())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     leaf = ca.sign_csr(csr, timedelta(days=30))
     pem = serialization.Encoding.PEM
     cert_pem = leaf.public_bytes(pem) + ca.chain_pem
@@ -308,8 +336,11 @@ class ApiHandler(BaseHTTPRequestHandler):
 
             self._change(add)
         elif len(parts) == 3 and parts[0] == "workloads" and parts[2] in ("unhealthy", "healthy"):
-            self._change(lambda document: _find_workload(document, parts[1]).__setitem__(
-                "status", "Unhealthy" if parts[2] == "unhealthy" else "Healthy"))
+            self._change(
+                lambda document: _find_workload(document, parts[1]).__setitem__(
+                    "status", "Unhealthy" if parts[2] == "unhealthy" else "Healthy"
+                )
+            )
         elif parts == ["invalid"]:
             self.store.set_invalid(True)
             self._answer(200, {"ok": True})
@@ -319,9 +350,11 @@ class ApiHandler(BaseHTTPRequestHandler):
     def do_DELETE(self):
         parts = self.path.strip("/").split("/")
         if len(parts) == 2 and parts[0] == "workloads":
+
             def remove(document):
                 found = _find_workload(document, parts[1])
                 document["workloads"].remove(found)
+
             self._change(remove)
         elif parts == ["invalid"]:
             self.store.set_invalid(False)
@@ -361,15 +394,29 @@ class ControlPlaneProcess:
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        argv = [sys.executable, "-m", "ztwisted.tools.control_plane", "--mesh", str(self.mesh), "--listen", self.listen,
-                "--api", self.api_address, "--state-dir", str(self.state_dir), *self.extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "ztwisted.tools.control_plane",
+            "--mesh",
+            str(self.mesh),
+            "--listen",
+            self.listen,
+            "--api",
+            self.api_address,
+            "--state-dir",
+            str(self.state_dir),
+            *self.extra,
+        ]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the control plane exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+                raise RuntimeError(
+                    f"the control plane exited with {self.process.returncode}:\n{self.log_path.read_text()}"
+                )
             try:
                 if self.api("GET", "/state")[0] == 200:
                     return self
@@ -383,8 +430,13 @@ class ControlPlaneProcess:
         """(status, JSON body, or text if it is not JSON) of one call to the HTTP API."""
         from ztwisted.tools.harness import http_request
 
-        status, data = http_request(f"http://{self.api_address}{path}", method, netns=self.netns, timeout=timeout,
-                                    body=json.dumps(body).encode() if body is not None else None)
+        status, data = http_request(
+            f"http://{self.api_address}{path}",
+            method,
+            netns=self.netns,
+            timeout=timeout,
+            body=json.dumps(body).encode() if body is not None else None,
+        )
         try:
             return status, json.loads(data)
         except ValueError:
@@ -418,22 +470,44 @@ def main(argv: list[str] | None = None) -> int:
         description=textwrap.fill(
             "A LAB AND TEST control plane, NOT for production: serves delta xDS (workloads, services, "
             "authorization policies) and the Istio CA service from a mesh YAML (ztunnel's local config format), "
-            "with an HTTP API to add, remove and mark pods unhealthy. It signs any identity a CSR asks for.", 79),
+            "with an HTTP API to add, remove and mark pods unhealthy. It signs any identity a CSR asks for.",
+            79,
+        ),
         # The served methods and the HTTP API, from this module's docstring.
         epilog="Serves" + __doc__.split("\nServes", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--mesh", required=True, help="mesh YAML (the format of twistd ztunnel --config / LOCAL_XDS_PATH)")
+    parser.add_argument(
+        "--mesh", required=True, help="mesh YAML (the format of twistd ztunnel --config / LOCAL_XDS_PATH)"
+    )
     parser.add_argument("--listen", default="127.0.0.1:15012", help="gRPC over TLS: xDS and CA [%(default)s]")
-    parser.add_argument("--api", default="127.0.0.1:15014", help="HTTP API, plain HTTP: keep it on loopback [%(default)s]")
-    parser.add_argument("--state-dir", required=True, help="its CA (plug-in layout in ca/), serving certificate and "
-                        "root-cert.pem (give that to proxies as XDS_ROOT_CA and CA_ROOT_CA)")
-    parser.add_argument("--server-name", action="append", default=[],
-                        help="more names for the serving certificate (the listen address is always in it)")
-    parser.add_argument("--cert-ttl", type=float, default=None,
-                        help="the longest workload certificate it signs, in seconds (short ones exercise renewal)")
-    parser.add_argument("--token", default=None, help="require this bearer token on xDS and CA calls "
-                        "(ztunnel sends AUTH_TOKEN's token as authorization: Bearer ...)")
+    parser.add_argument(
+        "--api", default="127.0.0.1:15014", help="HTTP API, plain HTTP: keep it on loopback [%(default)s]"
+    )
+    parser.add_argument(
+        "--state-dir",
+        required=True,
+        help="its CA (plug-in layout in ca/), serving certificate and "
+        "root-cert.pem (give that to proxies as XDS_ROOT_CA and CA_ROOT_CA)",
+    )
+    parser.add_argument(
+        "--server-name",
+        action="append",
+        default=[],
+        help="more names for the serving certificate (the listen address is always in it)",
+    )
+    parser.add_argument(
+        "--cert-ttl",
+        type=float,
+        default=None,
+        help="the longest workload certificate it signs, in seconds (short ones exercise renewal)",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="require this bearer token on xDS and CA calls "
+        "(ztunnel sends AUTH_TOKEN's token as authorization: Bearer ...)",
+    )
     args = parser.parse_args(argv)
 
     import grpc
@@ -450,7 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.exit(2, f"ztunnel-control-plane: bad mesh:\n{e}\n")
     host, port = _host_port(args.listen)
-    cert_pem, key_pem = serving_certificate(ca, [host, "localhost", "istiod.istio-system.svc", *args.server_name], state_dir)
+    cert_pem, key_pem = serving_certificate(
+        ca, [host, "localhost", "istiod.istio-system.svc", *args.server_name], state_dir
+    )
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     ads = grpc.stream_stream_rpc_method_handler(
@@ -463,11 +539,16 @@ def main(argv: list[str] | None = None) -> int:
         request_deserializer=ca_pb2.IstioCertificateRequest.FromString,
         response_serializer=ca_pb2.IstioCertificateResponse.SerializeToString,
     )
-    server.add_generic_rpc_handlers((
-        grpc.method_handlers_generic_handler("envoy.service.discovery.v3.AggregatedDiscoveryService",
-                                             {"DeltaAggregatedResources": ads}),
-        grpc.method_handlers_generic_handler("istio.v1.auth.IstioCertificateService", {"CreateCertificate": create}),
-    ))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "envoy.service.discovery.v3.AggregatedDiscoveryService", {"DeltaAggregatedResources": ads}
+            ),
+            grpc.method_handlers_generic_handler(
+                "istio.v1.auth.IstioCertificateService", {"CreateCertificate": create}
+            ),
+        )
+    )
     server.add_secure_port(args.listen, grpc.ssl_server_credentials([(key_pem, cert_pem)]))
     server.start()
 
@@ -475,8 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     api_host, api_port = _host_port(args.api)
     api = ThreadingHTTPServer((api_host, api_port), ApiHandler)
     threading.Thread(target=api.serve_forever, daemon=True).start()
-    print(f"ztunnel-control-plane (lab/test only): xDS and CA on https://{args.listen}, API on http://{args.api}, "
-          f"root certificate {state_dir / ROOT_CERT}", flush=True)
+    print(
+        f"ztunnel-control-plane (lab/test only): xDS and CA on https://{args.listen}, API on http://{args.api}, "
+        f"root certificate {state_dir / ROOT_CERT}",
+        flush=True,
+    )
     try:
         server.wait_for_termination()
     except KeyboardInterrupt:

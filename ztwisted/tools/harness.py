@@ -65,7 +65,15 @@ class NodeProcess:
 
     def command(self) -> list[str]:
         ip = self.control_ip
-        args = twistd_command() + ["-n", "--pidfile=", "ztunnel", "--state-dir", str(self.state_dir), "--log-format", "json"]
+        args = twistd_command() + [
+            "-n",
+            "--pidfile=",
+            "ztunnel",
+            "--state-dir",
+            str(self.state_dir),
+            "--log-format",
+            "json",
+        ]
         args += [
             f"--socks5=tcp:15080:interface={ip}",
             f"--outbound=tcp:15001:interface={ip}",
@@ -176,8 +184,9 @@ def metric_sum(exposition: str, name: str, **labels) -> float:
     return total
 
 
-def http_request(url: str, method: str = "GET", *, netns: str | None = None, timeout: float = 5.0,
-                 body: bytes | None = None) -> tuple[int, bytes]:
+def http_request(
+    url: str, method: str = "GET", *, netns: str | None = None, timeout: float = 5.0, body: bytes | None = None
+) -> tuple[int, bytes]:
     """(status, body) of one HTTP request; with ``netns``, sent from inside that named network namespace."""
 
     def send() -> tuple[int, bytes]:
@@ -195,7 +204,9 @@ def http_request(url: str, method: str = "GET", *, netns: str | None = None, tim
     return call_in_netns(f"/var/run/netns/{netns}", send)
 
 
-def socks5_connect(proxy: tuple[str, int], source_ip: str, host: str, port: int, timeout: float = 10.0) -> socket.socket:
+def socks5_connect(
+    proxy: tuple[str, int], source_ip: str, host: str, port: int, timeout: float = 10.0
+) -> socket.socket:
     """A socket connected through a SOCKS5 proxy, leaving from ``source_ip`` (the workload's address)."""
     sock = socket.socket(socket.AF_INET6 if ":" in proxy[0] else socket.AF_INET, socket.SOCK_STREAM)
     sock.settimeout(timeout)

@@ -43,8 +43,7 @@ class RecordingPodManager:
       opening listeners in the netns); its failure fails the start.
     """
 
-    def __init__(self, on_add: Callable[..., Any] | None = None,
-                 on_remove: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, on_add: Callable[..., Any] | None = None, on_remove: Callable[[str], Any] | None = None) -> None:
         self.calls: list[Call] = []
         self.pods: dict[str, tuple[WorkloadInfo, Netns]] = {}
         self.fail_starts: dict[str, int] = {}
@@ -152,8 +151,7 @@ class NamedNetns:
         self.exec("ip", "link", "set", "lo", "up")
 
     def exec(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.name, *argv], check=check, capture_output=True,
-                              text=True)
+        return subprocess.run(["ip", "netns", "exec", self.name, *argv], check=check, capture_output=True, text=True)
 
     def open(self) -> Netns:
         return Netns.open(self.path)

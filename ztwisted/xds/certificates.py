@@ -50,14 +50,20 @@ def make_csr(identity: SpiffeId) -> tuple[bytes, bytes]:
         .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True)
         .sign(key, hashes.SHA256())
     )
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return csr.public_bytes(serialization.Encoding.PEM), key_pem
 
 
-def certificate_from_response(identity: SpiffeId, key_pem: bytes, response: ca_pb2.IstioCertificateResponse) -> IssuedCertificate:
+def certificate_from_response(
+    identity: SpiffeId, key_pem: bytes, response: ca_pb2.IstioCertificateResponse
+) -> IssuedCertificate:
     """Check the CA's answer against what we asked for; ValueError says what is wrong."""
     if len(response.cert_chain) < 2:
-        raise ValueError(f"the CA answered {len(response.cert_chain)} certificates; a leaf and at least the root are needed")
+        raise ValueError(
+            f"the CA answered {len(response.cert_chain)} certificates; a leaf and at least the root are needed"
+        )
     try:
         chain = [x509.load_pem_x509_certificates(pem.encode()) for pem in response.cert_chain]
     except ValueError as e:
@@ -130,7 +136,9 @@ class RemoteCertificateStore(CertificateStore):
             return current
         self.ensure([identity])
         why = self._errors.get(identity, "the request is in flight")
-        raise CertificateUnavailable(f"no certificate for {identity} from the CA at https://{self.target.authority} yet: {why}")
+        raise CertificateUnavailable(
+            f"no certificate for {identity} from the CA at https://{self.target.authority} yet: {why}"
+        )
 
     def discard(self, identity: SpiffeId) -> None:
         self._wanted.discard(identity)
@@ -183,9 +191,12 @@ class RemoteCertificateStore(CertificateStore):
         request = ca_pb2.IstioCertificateRequest(csr=csr.decode(), validity_duration=int(self.secret_ttl))
         self.requests += 1
         fetching = self._call(request.SerializeToString())
-        fetching.addCallback(lambda data: certificate_from_response(
-            identity, key_pem, ca_pb2.IstioCertificateResponse.FromString(data)))
-        fetching.addCallbacks(lambda issued: self._issued(identity, issued), lambda failure: self._failed(identity, failure))
+        fetching.addCallback(
+            lambda data: certificate_from_response(identity, key_pem, ca_pb2.IstioCertificateResponse.FromString(data))
+        )
+        fetching.addCallbacks(
+            lambda issued: self._issued(identity, issued), lambda failure: self._failed(identity, failure)
+        )
         self._fetching[identity] = fetching
         fetching.addBoth(self._fetched, identity, fetching)
 
@@ -230,7 +241,9 @@ class RemoteCertificateStore(CertificateStore):
         self._schedule(identity, timedelta(seconds=max(half_life, 0.0)))
         log.info(
             "{what} the certificate of {identity} from the CA: serial {serial}, valid until {not_after}",
-            what="Renewed" if renewal else "Got", identity=str(identity), serial=f"{issued.serial:x}",
+            what="Renewed" if renewal else "Got",
+            identity=str(identity),
+            serial=f"{issued.serial:x}",
             not_after=issued.not_after.isoformat(),
         )
         if renewal:
@@ -245,6 +258,9 @@ class RemoteCertificateStore(CertificateStore):
         self._errors[identity] = error
         log.error(
             "cannot get a certificate for {identity} from the CA at {address}: {error}; retrying in {delay:.0f} s",
-            identity=str(identity), address=f"https://{self.target.authority}", error=error, delay=delay,
+            identity=str(identity),
+            address=f"https://{self.target.authority}",
+            error=error,
+            delay=delay,
         )
         self._schedule(identity, timedelta(seconds=min(delay, MAX_RETRY)))

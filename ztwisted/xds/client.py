@@ -60,13 +60,15 @@ class NodeInfo:
 
     def to_proto(self) -> discovery_pb2.Node:
         fields = struct_pb2.Struct()
-        fields.update({
-            "NAME": self.pod_name,
-            "NAMESPACE": self.pod_namespace,
-            "INSTANCE_IPS": self.instance_ip,
-            "NODE_NAME": self.node_name,
-            **self.metadata,
-        })
+        fields.update(
+            {
+                "NAME": self.pod_name,
+                "NAMESPACE": self.pod_namespace,
+                "INSTANCE_IPS": self.instance_ip,
+                "NODE_NAME": self.node_name,
+                **self.metadata,
+            }
+        )
         ns = self.pod_namespace
         return discovery_pb2.Node(
             id=f"ztunnel~{self.instance_ip}~{self.pod_name}.{ns}~{ns}.svc.cluster.local", metadata=fields
@@ -104,7 +106,9 @@ class XdsState:
                 try:
                     resource.resource.Unpack(decoded)
                 except protobuf_message.DecodeError as e:
-                    raise InvalidResource(f"{resource.name}: not a valid {message_class.DESCRIPTOR.full_name}: {e}") from None
+                    raise InvalidResource(
+                        f"{resource.name}: not a valid {message_class.DESCRIPTOR.full_name}: {e}"
+                    ) from None
                 converted = convert(decoded, resource.name)
                 # A uid or key another accepted resource holds: this one is rejected, the other stays.
                 claims.take(resource.name, converted, candidate[type_url].get(resource.name))
@@ -258,9 +262,13 @@ class XdsClient(service.Service):
         node = self.node.to_proto()
         for type_url in sorted(_DECODERS):
             # Resume: tell the server which versions this proxy holds already.
-            call.send(discovery_pb2.DeltaDiscoveryRequest(
-                node=node, type_url=type_url, initial_resource_versions=self.state.versions[type_url],
-            ).SerializeToString())
+            call.send(
+                discovery_pb2.DeltaDiscoveryRequest(
+                    node=node,
+                    type_url=type_url,
+                    initial_resource_versions=self.state.versions[type_url],
+                ).SerializeToString()
+            )
         call.done.addBoth(self._ended)
 
     def _message(self, data: bytes) -> None:
@@ -279,7 +287,9 @@ class XdsClient(service.Service):
                 self.metrics.nacks.labels(url=response.type_url).inc()
             log.error(
                 "xDS: NACK {type_url} (nonce {nonce}), keeping the last good version of: {error}",
-                type_url=response.type_url, nonce=response.nonce, error=error,
+                type_url=response.type_url,
+                nonce=response.nonce,
+                error=error,
             )
         else:
             self.acks += 1
@@ -289,8 +299,11 @@ class XdsClient(service.Service):
             self.on_mesh(mesh)
         if not self._awaiting and not self.first_push.called:
             applied = self.state.mesh()
-            log.info("xDS: first push applied ({workloads} workloads, {policies} policies)",
-                     workloads=len(applied.workloads), policies=len(applied.policies))
+            log.info(
+                "xDS: first push applied ({workloads} workloads, {policies} policies)",
+                workloads=len(applied.workloads),
+                policies=len(applied.policies),
+            )
             self.first_push.callback(None)
 
     def _ended(self, result) -> None:
@@ -305,7 +318,9 @@ class XdsClient(service.Service):
         self.last_error = str(reason) if reason is not None else "the server ended the stream"
         if self.metrics is not None:
             self.metrics.terminations.labels(reason=_termination_reason(reason)).inc()
-        if self._received_on_stream or (isinstance(reason, grpc.GrpcError) and reason.code in (grpc.OK, grpc.CANCELLED)):
+        if self._received_on_stream or (
+            isinstance(reason, grpc.GrpcError) and reason.code in (grpc.OK, grpc.CANCELLED)
+        ):
             self._backoff = INITIAL_BACKOFF
         else:
             self._backoff = min(MAX_BACKOFF, self._backoff * 2)
@@ -314,7 +329,9 @@ class XdsClient(service.Service):
         log.warn(
             "xDS stream to {address} ended: {reason}; reconnecting in {delay:.2f} s, serving the last good state "
             "({workloads} workloads, {services} services, {policies} policies)",
-            address=f"https://{self.target.authority}", reason=self.last_error, delay=delay,
+            address=f"https://{self.target.authority}",
+            reason=self.last_error,
+            delay=delay,
             workloads=sum(isinstance(r, Workload) for r in self.state.resources[ADDRESS_TYPE].values()),
             services=sum(isinstance(r, Service) for r in self.state.resources[ADDRESS_TYPE].values()),
             policies=len(self.state.resources[AUTHORIZATION_TYPE]),
@@ -338,11 +355,14 @@ class XdsMetrics:
 
     def __init__(self, metrics):
         self.terminations = metrics.counter(
-            "istio_xds_connection_terminations_total", "The total number of completed connections to xds server",
-            ("reason",))
+            "istio_xds_connection_terminations_total",
+            "The total number of completed connections to xds server",
+            ("reason",),
+        )
         self.messages = metrics.counter("istio_xds_message_total", "Total number of messages received", ("url",))
         self.message_bytes = metrics.counter(
-            "istio_xds_message_bytes_total", "Total number of bytes received", ("url",))
+            "istio_xds_message_bytes_total", "Total number of bytes received", ("url",)
+        )
         self.nacks = metrics.counter("ztwisted_xds_nacks_total", "Responses rejected (NACKed), by type", ("url",))
 
     def received(self, response) -> None:

@@ -74,7 +74,9 @@ class Target:
     def parse(cls, address: str, roots_pem: bytes | None, server_name: str | None = None) -> Target:
         url = urllib.parse.urlsplit(address)
         if url.scheme != "https" or not url.hostname:
-            raise ValueError(f"{address!r}: a control-plane address is https://host:port (TLS is required, as for ztunnel)")
+            raise ValueError(
+                f"{address!r}: a control-plane address is https://host:port (TLS is required, as for ztunnel)"
+            )
         return cls(url.hostname, url.port or 443, roots_pem, server_name)
 
     @property
@@ -212,8 +214,8 @@ class GrpcCall:
                 return
             if len(self._buffer) < _PREFIX.size + length:
                 return
-            message = bytes(self._buffer[_PREFIX.size:_PREFIX.size + length])
-            del self._buffer[:_PREFIX.size + length]
+            message = bytes(self._buffer[_PREFIX.size : _PREFIX.size + length])
+            del self._buffer[: _PREFIX.size + length]
             try:
                 self.on_message(message)
             except Exception as e:  # the receiver ends the call by raising
@@ -283,7 +285,9 @@ def connect(reactor, target: Target, *, timeout: float = 5.0, settings: H2Settin
     return connecting
 
 
-def unary(connection: GrpcConnection, method: str, request: bytes, metadata: Iterable[tuple[str, str]] = ()) -> defer.Deferred:
+def unary(
+    connection: GrpcConnection, method: str, request: bytes, metadata: Iterable[tuple[str, str]] = ()
+) -> defer.Deferred:
     """One request, one response message; fires with the response's bytes."""
     answers: list[bytes] = []
     call = connection.call(method, metadata, answers.append)

@@ -54,7 +54,9 @@ def workload_from_proto(w: workload_pb2.Workload, name: str = "") -> Workload:
         if w.HasField(field):
             raise InvalidResource(f"{where}: {field} is not supported by ztwisted")
     if w.tunnel_protocol not in _PROTOCOLS:
-        raise InvalidResource(f"{where}: tunnel_protocol {workload_pb2.TunnelProtocol.Name(w.tunnel_protocol)} is not supported")
+        raise InvalidResource(
+            f"{where}: tunnel_protocol {workload_pb2.TunnelProtocol.Name(w.tunnel_protocol)} is not supported"
+        )
     ips = [_ip(address, f"{where}: addresses[{i}]") for i, address in enumerate(w.addresses)]
     if w.network_mode == workload_pb2.HOST_NETWORK:
         # Host-network pods share their node's address, which ztunnel does not look them up by; in
@@ -102,7 +104,11 @@ def service_from_proto(s: workload_pb2.Service, name: str = "") -> Service:
             raise InvalidResource(f"{where}: ports[{i}]: {port.service_port}->{port.target_port} is not a port mapping")
         ports[port.service_port] = port.target_port
     return Service(
-        name=s.name, namespace=s.namespace, hostname=s.hostname, vips=vips, ports=ports,
+        name=s.name,
+        namespace=s.namespace,
+        hostname=s.hostname,
+        vips=vips,
+        ports=ports,
         subject_alt_names=tuple(s.subject_alt_names),
     )
 
@@ -164,12 +170,21 @@ def policy_from_proto(a: authorization_pb2.Authorization, name: str = "") -> Pol
     for r, rule in enumerate(a.rules):
         clauses = []
         for c, clause in enumerate(rule.clauses):
-            clauses.append(tuple(
-                _match_from_proto(m, f"{where}: rules[{r}].clauses[{c}].matches[{i}]") for i, m in enumerate(clause.matches)
-            ))
+            clauses.append(
+                tuple(
+                    _match_from_proto(m, f"{where}: rules[{r}].clauses[{c}].matches[{i}]")
+                    for i, m in enumerate(clause.matches)
+                )
+            )
         rules.append(tuple(clauses))
-    return Policy(name=a.name, namespace=a.namespace, scope=_SCOPES[a.scope], action=_ACTIONS[a.action],
-                  rules=rules, dry_run=a.dry_run)
+    return Policy(
+        name=a.name,
+        namespace=a.namespace,
+        scope=_SCOPES[a.scope],
+        action=_ACTIONS[a.action],
+        rules=rules,
+        dry_run=a.dry_run,
+    )
 
 
 # -- model -> resources (the lab control plane) ------------------------------------
@@ -177,14 +192,23 @@ def policy_from_proto(a: authorization_pb2.Authorization, name: str = "") -> Pol
 
 def workload_to_proto(w: Workload) -> workload_pb2.Workload:
     message = workload_pb2.Workload(
-        uid=w.uid, name=w.name, namespace=w.namespace, service_account=w.service_account,
+        uid=w.uid,
+        name=w.name,
+        namespace=w.namespace,
+        service_account=w.service_account,
         addresses=[ip.packed for ip in w.workload_ips],
         tunnel_protocol=workload_pb2.HBONE if w.protocol == "HBONE" else workload_pb2.NONE,
-        node=w.node, network=w.network, trust_domain=w.trust_domain,
-        canonical_name=w.canonical_name, canonical_revision=w.canonical_revision,
+        node=w.node,
+        network=w.network,
+        trust_domain=w.trust_domain,
+        canonical_name=w.canonical_name,
+        canonical_revision=w.canonical_revision,
         status=workload_pb2.HEALTHY if w.healthy else workload_pb2.UNHEALTHY,
-        cluster_id=w.cluster_id, workload_name=w.workload_name, hostname=w.hostname,
-        native_tunnel=w.native_tunnel, authorization_policies=list(w.authorization_policies),
+        cluster_id=w.cluster_id,
+        workload_name=w.workload_name,
+        hostname=w.hostname,
+        native_tunnel=w.native_tunnel,
+        authorization_policies=list(w.authorization_policies),
     )
     if w.workload_type.upper() in workload_pb2.WorkloadType.keys():
         message.workload_type = workload_pb2.WorkloadType.Value(w.workload_type.upper())
@@ -197,7 +221,9 @@ def workload_to_proto(w: Workload) -> workload_pb2.Workload:
 
 def service_to_proto(s: Service) -> workload_pb2.Service:
     return workload_pb2.Service(
-        name=s.name, namespace=s.namespace, hostname=s.hostname,
+        name=s.name,
+        namespace=s.namespace,
+        hostname=s.hostname,
         addresses=[workload_pb2.NetworkAddress(network=network, address=ip.packed) for network, ip in s.vips],
         ports=[workload_pb2.Port(service_port=sp, target_port=tp) for sp, tp in s.ports.items()],
         subject_alt_names=list(s.subject_alt_names),
@@ -220,10 +246,14 @@ def _match_to_proto(m: Match) -> authorization_pb2.Match:
     return authorization_pb2.Match(
         namespaces=[_string_match_to_proto(x) for x in m.namespaces],
         not_namespaces=[_string_match_to_proto(x) for x in m.not_namespaces],
-        service_accounts=[authorization_pb2.ServiceAccountMatch(namespace=x.namespace, serviceAccount=x.service_account)
-                          for x in m.service_accounts],
-        not_service_accounts=[authorization_pb2.ServiceAccountMatch(namespace=x.namespace, serviceAccount=x.service_account)
-                              for x in m.not_service_accounts],
+        service_accounts=[
+            authorization_pb2.ServiceAccountMatch(namespace=x.namespace, serviceAccount=x.service_account)
+            for x in m.service_accounts
+        ],
+        not_service_accounts=[
+            authorization_pb2.ServiceAccountMatch(namespace=x.namespace, serviceAccount=x.service_account)
+            for x in m.not_service_accounts
+        ],
         principals=[_string_match_to_proto(x) for x in m.principals],
         not_principals=[_string_match_to_proto(x) for x in m.not_principals],
         source_ips=_cidrs_to_proto(m.source_ips),
@@ -239,11 +269,15 @@ def policy_to_proto(p: Policy) -> authorization_pb2.Authorization:
     scopes = {v: k for k, v in _SCOPES.items()}
     actions = {v: k for k, v in _ACTIONS.items()}
     return authorization_pb2.Authorization(
-        name=p.name, namespace=p.namespace, scope=scopes[p.scope], action=actions[p.action], dry_run=p.dry_run,
+        name=p.name,
+        namespace=p.namespace,
+        scope=scopes[p.scope],
+        action=actions[p.action],
+        dry_run=p.dry_run,
         rules=[
-            authorization_pb2.Rule(clauses=[
-                authorization_pb2.Clause(matches=[_match_to_proto(m) for m in group]) for group in clause
-            ])
+            authorization_pb2.Rule(
+                clauses=[authorization_pb2.Clause(matches=[_match_to_proto(m) for m in group]) for group in clause]
+            )
             for clause in p.rules
         ],
     )

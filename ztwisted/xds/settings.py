@@ -26,14 +26,34 @@ DEFAULT_CLUSTER_ID = "Kubernetes"
 
 #: [option, environment variable, help]
 OPTIONS = [
-    ["xds-address", "XDS_ADDRESS", "xDS server (https://host:port): workloads, services and policies come from it "
-     "instead of --config (delta ADS, as ztunnel)."],
-    ["ca-address", "CA_ADDRESS", "Istio CA (https://host:port) for workload certificates (default with "
-     "--xds-address: the same address). The node then holds no CA key."],
-    ["xds-root-ca", "XDS_ROOT_CA", f"Root certificate of the xDS server: a file, SYSTEM, or PEM text [{DEFAULT_ROOT_CERT}]."],
-    ["ca-root-ca", "CA_ROOT_CA", f"Root certificate of the CA server: a file, SYSTEM, or PEM text [{DEFAULT_ROOT_CERT}]."],
-    ["auth-token", "AUTH_TOKEN", f"Bearer token sent to xDS and CA: a file (re-read per connection) or the token "
-     f"itself [{DEFAULT_TOKEN} if it exists]."],
+    [
+        "xds-address",
+        "XDS_ADDRESS",
+        "xDS server (https://host:port): workloads, services and policies come from it "
+        "instead of --config (delta ADS, as ztunnel).",
+    ],
+    [
+        "ca-address",
+        "CA_ADDRESS",
+        "Istio CA (https://host:port) for workload certificates (default with "
+        "--xds-address: the same address). The node then holds no CA key.",
+    ],
+    [
+        "xds-root-ca",
+        "XDS_ROOT_CA",
+        f"Root certificate of the xDS server: a file, SYSTEM, or PEM text [{DEFAULT_ROOT_CERT}].",
+    ],
+    [
+        "ca-root-ca",
+        "CA_ROOT_CA",
+        f"Root certificate of the CA server: a file, SYSTEM, or PEM text [{DEFAULT_ROOT_CERT}].",
+    ],
+    [
+        "auth-token",
+        "AUTH_TOKEN",
+        f"Bearer token sent to xDS and CA: a file (re-read per connection) or the token "
+        f"itself [{DEFAULT_TOKEN} if it exists].",
+    ],
     ["cluster-id", "CLUSTER_ID", f"Cluster id, sent with the token as the clusterid header [{DEFAULT_CLUSTER_ID}]."],
     ["secret-ttl", "SECRET_TTL", "Workload certificate lifetime asked of the CA (e.g. 24h, 90m, 30s) [24h]."],
     ["alt-xds-hostname", "ALT_XDS_HOSTNAME", "Name the xDS server certificate must carry, if not the address's host."],
@@ -81,8 +101,10 @@ def apply_environment(options, environ=os.environ) -> None:
     if options["ca-address"] and options["ca-dir"]:
         raise usage.UsageError("--ca-dir (a local CA) and --ca-address (a remote CA) exclude each other")
     if options["xds-address"] and options["config"]:
-        raise usage.UsageError("--config (LOCAL_XDS_PATH) and --xds-address (XDS_ADDRESS) exclude each other: "
-                               "the mesh comes from one of them")
+        raise usage.UsageError(
+            "--config (LOCAL_XDS_PATH) and --xds-address (XDS_ADDRESS) exclude each other: "
+            "the mesh comes from one of them"
+        )
 
 
 def _root(value: str | None) -> bytes | None:
@@ -93,7 +115,7 @@ def _headers(options, prefix: str, environ=os.environ):
     """The headers of each call: the token (read now, so a rotated file is used) and ``<prefix>*`` variables."""
     token_setting = options["auth-token"]
     # As ztunnel: the rest of the variable's name is the header's (lower case, underscores kept).
-    extra = [(key[len(prefix):].lower(), value) for key, value in environ.items() if key.startswith(prefix)]
+    extra = [(key[len(prefix) :].lower(), value) for key, value in environ.items() if key.startswith(prefix)]
 
     def headers() -> list[tuple[str, str]]:
         out = list(extra)
@@ -114,7 +136,7 @@ def _headers(options, prefix: str, environ=os.environ):
 def node_info(options, environ=os.environ):
     from ztwisted.xds.client import NodeInfo
 
-    meta = {key[len("ISTIO_META_"):]: value for key, value in environ.items() if key.startswith("ISTIO_META_")}
+    meta = {key[len("ISTIO_META_") :]: value for key, value in environ.items() if key.startswith("ISTIO_META_")}
     return NodeInfo(
         instance_ip=environ.get("INSTANCE_IP", "1.1.1.1"),
         pod_name=environ.get("POD_NAME", ""),
@@ -131,7 +153,9 @@ def remote_certificates(options, reactor):
     from ztwisted.xds.certificates import RemoteCertificateStore
 
     target = grpc.Target.parse(options["ca-address"], _root(options["ca-root-ca"]), options["alt-ca-hostname"])
-    return RemoteCertificateStore(reactor, target, headers=_headers(options, "CA_HEADER_"), secret_ttl=options["secret-ttl"])
+    return RemoteCertificateStore(
+        reactor, target, headers=_headers(options, "CA_HEADER_"), secret_ttl=options["secret-ttl"]
+    )
 
 
 def xds_client(options, reactor, *, on_mesh, random, metrics):
@@ -142,6 +166,11 @@ def xds_client(options, reactor, *, on_mesh, random, metrics):
 
     target = grpc.Target.parse(options["xds-address"], _root(options["xds-root-ca"]), options["alt-xds-hostname"])
     return XdsClient(
-        reactor, target, node=node_info(options), on_mesh=on_mesh,
-        headers=_headers(options, "XDS_HEADER_"), random=random, metrics=metrics,
+        reactor,
+        target,
+        node=node_info(options),
+        on_mesh=on_mesh,
+        headers=_headers(options, "XDS_HEADER_"),
+        random=random,
+        metrics=metrics,
     )

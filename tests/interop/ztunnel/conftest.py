@@ -21,6 +21,7 @@ def ztunnel_install() -> ZtunnelInstall:
         problem = str(e)
     pytest.fail(f"ztunnel is needed for these interop tests: {problem}", pytrace=False)
 
+
 @pytest.fixture
 def network():
     """The namespaces, the SYN counters, an echo app and a reply-after-EOF app beside each proxy."""
@@ -39,6 +40,7 @@ def network():
             network.close()
         namespaces.destroy()
 
+
 @pytest.fixture
 def pki(tmp_path, ztunnel_install) -> Path:
     """ztwisted's ``--ca-dir``: ztunnel's FAKE_CA root."""
@@ -54,8 +56,15 @@ def start_ztunnel(network, tmp_path, ztunnel_install, interop_processes):
     def start(mesh: str | None = None, env: dict | None = None, name: str = "ztunnel") -> ZtunnelPeer:
         config = tmp_path / f"{name}-mesh.yaml"
         config.write_text(mesh or mesh_yaml())
-        peer = ZtunnelPeer(name, netns=network.zt, config=config, workdir=tmp_path / name,
-                           workload=("default", "zpod", "zpod"), install=ztunnel_install, env=env)
+        peer = ZtunnelPeer(
+            name,
+            netns=network.zt,
+            config=config,
+            workdir=tmp_path / name,
+            workload=("default", "zpod", "zpod"),
+            install=ztunnel_install,
+            env=env,
+        )
         interop_processes.add(peer)
         return peer.start()
 
@@ -69,9 +78,16 @@ def start_ztwisted(network, tmp_path, pki, interop_processes):
     def start(*extra_args: str, mesh: str | None = None, name: str = "ztwisted") -> NodeProcess:
         config = tmp_path / f"{name}-mesh.yaml"
         config.write_text(mesh or mesh_yaml())
-        node = NodeProcess(tmp_path / name, name=name, control_ip="127.0.0.1", config=config, node=ZTWISTED_NODE,
-                           state_dir=tmp_path / f"{name}-state", extra_args=("--ca-dir", str(pki), *extra_args),
-                           netns=network.ztw)
+        node = NodeProcess(
+            tmp_path / name,
+            name=name,
+            control_ip="127.0.0.1",
+            config=config,
+            node=ZTWISTED_NODE,
+            state_dir=tmp_path / f"{name}-state",
+            extra_args=("--ca-dir", str(pki), *extra_args),
+            netns=network.ztw,
+        )
         interop_processes.add(node)
         return node.start()
 

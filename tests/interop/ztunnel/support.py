@@ -121,8 +121,6 @@ def mesh_yaml(*, echo_account: str = "echo", zpod_account: str = "zpod") -> str:
     )
 
 
-
-
 # -- namespaces and apps ---------------------------------------------------------------------
 
 
@@ -133,12 +131,14 @@ class HboneSynCounter:
 
     def __init__(self, netns: str):
         self.netns = netns
-        self._iptables("-I", "INPUT", "-p", "tcp", "--dport", str(HBONE_PORT), "--syn",
-                       "-m", "comment", "--comment", self.COMMENT)
+        self._iptables(
+            "-I", "INPUT", "-p", "tcp", "--dport", str(HBONE_PORT), "--syn", "-m", "comment", "--comment", self.COMMENT
+        )
 
     def _iptables(self, *args: str) -> str:
-        return subprocess.run(["ip", "netns", "exec", self.netns, "iptables", "-w", *args],
-                              check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["ip", "netns", "exec", self.netns, "iptables", "-w", *args], check=True, capture_output=True, text=True
+        ).stdout
 
     def count(self) -> int:
         for line in self._iptables("-L", "INPUT", "-n", "-v", "-x").splitlines():
@@ -184,10 +184,6 @@ def _in_named_netns(name: str, function):
     return call_in_netns(f"/var/run/netns/{name}", function)
 
 
-
-
-
-
 # -- apps' connections -----------------------------------------------------------------------
 
 
@@ -227,7 +223,9 @@ def many(connect, count: int) -> list[socket.socket]:
         for r in results:
             if isinstance(r, socket.socket):
                 r.close()
-        raise AssertionError(f"{len(failed)} of {count} connections failed, the first: #{failed[0][0]}: {failed[0][1]!r}")
+        raise AssertionError(
+            f"{len(failed)} of {count} connections failed, the first: #{failed[0][0]}: {failed[0][1]!r}"
+        )
     return results
 
 
@@ -243,4 +241,3 @@ def ended_by(sock: socket.socket, timeout: float = 30.0) -> tuple[bytes, str]:
             chunks.append(data)
     except OSError as e:
         return b"".join(chunks), type(e).__name__
-

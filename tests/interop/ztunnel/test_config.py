@@ -37,16 +37,25 @@ def comparable(dump: dict) -> dict:
     return {
         "workloads": {
             w["uid"]: {
-                "name": w["name"], "namespace": w["namespace"], "serviceAccount": w["serviceAccount"],
-                "workloadIps": sorted(w["workloadIps"]), "protocol": w["protocol"], "node": w["node"],
-                "status": w["status"], "networkMode": w["networkMode"], "capacity": w["capacity"],
+                "name": w["name"],
+                "namespace": w["namespace"],
+                "serviceAccount": w["serviceAccount"],
+                "workloadIps": sorted(w["workloadIps"]),
+                "protocol": w["protocol"],
+                "node": w["node"],
+                "status": w["status"],
+                "networkMode": w["networkMode"],
+                "capacity": w["capacity"],
             }
             for w in dump["workloads"]
         },
         "services": {
-            f'{s["namespace"]}/{s["hostname"]}': {
-                "name": s["name"], "vips": sorted(s["vips"]), "ports": ports(s["ports"]),
-                "canonical": s["canonical"], "visibility": s["visibility"],
+            f"{s['namespace']}/{s['hostname']}": {
+                "name": s["name"],
+                "vips": sorted(s["vips"]),
+                "ports": ports(s["ports"]),
+                "canonical": s["canonical"],
+                "visibility": s["visibility"],
                 "endpoints": {uid: (ports(e["port"]), e["status"]) for uid, e in s["endpoints"].items()},
             }
             for s in dump["services"]
@@ -61,12 +70,25 @@ def both(network: Network, tmp_path, ztunnel_install, pki, interop_processes):
 
     def start(config: Path, workload_info: str) -> tuple[ZtunnelPeer, NodeProcess]:
         config = config.resolve()
-        ztunnel = ZtunnelPeer("ztunnel", netns=network.zt, config=config, workdir=tmp_path / "ztunnel",
-                              workload=workload_info, install=ztunnel_install)
+        ztunnel = ZtunnelPeer(
+            "ztunnel",
+            netns=network.zt,
+            config=config,
+            workdir=tmp_path / "ztunnel",
+            workload=workload_info,
+            install=ztunnel_install,
+        )
         interop_processes.add(ztunnel)
-        ztwisted = NodeProcess(tmp_path / "ztwisted", name="ztwisted", control_ip="127.0.0.1", config=config,
-                               node="local", state_dir=tmp_path / "ztwisted-state",
-                               extra_args=("--ca-dir", str(pki)), netns=network.ztw)
+        ztwisted = NodeProcess(
+            tmp_path / "ztwisted",
+            name="ztwisted",
+            control_ip="127.0.0.1",
+            config=config,
+            node="local",
+            state_dir=tmp_path / "ztwisted-state",
+            extra_args=("--ca-dir", str(pki)),
+            netns=network.ztw,
+        )
         interop_processes.add(ztwisted)
         return ztunnel.start(), ztwisted.start()
 
@@ -82,6 +104,7 @@ def test_ztunnels_example_localhost_yaml_means_the_same_to_both_and_ztwisted_ser
     # ztwisted serves it: the workload "local" (127.0.0.1) reaches example.com through its VIP's endpoints.
     apps = [network.in_ztw(lambda ip=ip: EchoServer(ip, 8080)) for ip in ("127.0.0.1", "127.0.0.2")]
     try:
+
         def exchange():
             sock = socks5_connect(("127.0.0.1", 15080), "127.0.0.1", "example.com", 80)
             with sock:
@@ -104,7 +127,8 @@ def test_what_ztunnel_accepts_with_a_warning_from_ztwisted_is_read_the_same(both
     # the service ends up with none; ztwisted keeps them.
     assert theirs["services"]["default/example.com"].pop("endpoints") == {}
     assert ours["services"]["default/example.com"].pop("endpoints") == {
-        "cluster1//v1/Pod/default/local": ({"80": 8080}, "Healthy")}
+        "cluster1//v1/Pod/default/local": ({"80": 8080}, "Healthy")
+    }
     assert ours == theirs
     assert theirs["workloads"]["cluster1//v1/Pod/default/local"]["name"] == "local"
     assert [s["name"] for s in theirs["services"].values()] == ["example", "other"]
@@ -119,10 +143,13 @@ def test_every_field_ztunnel_accepts_is_accepted_and_read_the_same(both):
     assert ours == theirs
     # What the file exercises, so the comparison above cannot pass on an empty reading.
     assert theirs["services"]["default/listed.example.com"]["endpoints"] == {
-        "cluster1//v1/Pod/default/waypointed": ({"80": 9090}, "Healthy")}
+        "cluster1//v1/Pod/default/waypointed": ({"80": 9090}, "Healthy")
+    }
     assert theirs["services"]["shop/example.com"]["visibility"] == "Namespace"
     # healthPolicy AllowAll: the unhealthy workload is an endpoint of it
     assert theirs["services"]["shop/example.com"]["endpoints"]["cluster1//v1/Pod/default/waypointed"] == (
-        {"80": 8081}, "Unhealthy")
+        {"80": 8081},
+        "Unhealthy",
+    )
     assert theirs["workloads"]["cluster1//v1/Pod/kube-system/host"]["networkMode"] == "HostNetwork"
     assert len(theirs["policies"]) == 2

@@ -54,7 +54,9 @@ ZTWISTED_TO_ZTUNNEL = "ztwisted->ztunnel"
 DIRECTIONS = [ZTUNNEL_TO_ZTWISTED, ZTWISTED_TO_ZTUNNEL]
 
 
-def connect(network, direction: str, port: int = APP_PORT, host: str | None = None, timeout: float = 30.0) -> socket.socket:
+def connect(
+    network, direction: str, port: int = APP_PORT, host: str | None = None, timeout: float = 30.0
+) -> socket.socket:
     if direction == ZTUNNEL_TO_ZTWISTED:
         return through_ztunnel(network, host or ECHO_IP, port, timeout)
     return through_ztwisted(network, host or ZPOD_IP, port, timeout)
@@ -134,8 +136,11 @@ EXPECTED_CLIENT_APP_ENDING = {ZTUNNEL_TO_ZTWISTED: "eof", ZTWISTED_TO_ZTUNNEL: "
 
 def ztwisted_outcomes(ztwisted, port: int) -> list[str]:
     """The ``outcome`` of ztwisted's access log lines for tunnels to ``port``."""
-    return [e.get("outcome") for e in ztwisted.log_events()
-            if e.get("message") == "connection complete" and str(e.get("dst.addr", "")).endswith(f":{port}")]
+    return [
+        e.get("outcome")
+        for e in ztwisted.log_events()
+        if e.get("message") == "connection complete" and str(e.get("dst.addr", "")).endswith(f":{port}")
+    ]
 
 
 class EndingWatcher:
@@ -236,7 +241,9 @@ def test_ztunnel_refuses_ztwisted_server_with_wrong_san(network, start_ztunnel, 
     # ztunnel answered SOCKS5 success before connecting; after the refused handshake it resets its app.
     assert how == "ConnectionResetError"
     assert network.echo_echo.connections == 0
-    failures = wait_until(lambda: ztunnel.log_lines("error", spiffe("echo-expected")), 10, "ztunnel's log of the refusal")
+    failures = wait_until(
+        lambda: ztunnel.log_lines("error", spiffe("echo-expected")), 10, "ztunnel's log of the refusal"
+    )
     assert failures
     assert ztwisted.metric("istio_tcp_connections_opened_total", reporter="destination") == 0
 
@@ -264,12 +271,22 @@ def test_ztwisted_policy_deny_reaches_ztunnel_client(network, start_ztunnel, sta
     assert data == b""
     # ztunnel's app: SOCKS5 success (ztunnel answers before it connects), then a reset.
     assert how == "ConnectionResetError"
-    assert wait_until(lambda: ztunnel.log_lines("connection complete", 'error="http status: 401 Unauthorized"'), 10,
-                      "ztunnel's access log of the 401")
+    assert wait_until(
+        lambda: ztunnel.log_lines("connection complete", 'error="http status: 401 Unauthorized"'),
+        10,
+        "ztunnel's access log of the 401",
+    )
     assert any(event.get("error") == "denied by policy default/deny-9999" for event in ztwisted.log_events())
     # ztunnel counts it as a connection that failed to establish, flagged CONNECT.
-    assert ztunnel.metric("istio_tcp_connections_failed_total", reporter="source", response_flags="CONNECT",
-                          destination_principal=spiffe("echo")) == 1
+    assert (
+        ztunnel.metric(
+            "istio_tcp_connections_failed_total",
+            reporter="source",
+            response_flags="CONNECT",
+            destination_principal=spiffe("echo"),
+        )
+        == 1
+    )
 
 
 def test_service_vip_through_both(network, proxies):

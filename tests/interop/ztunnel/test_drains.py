@@ -196,8 +196,11 @@ def test_pod_removed_with_ztunnel_pool_in_flight(network, start_ztunnel, start_z
     with through_ztunnel(network, ECHO_IP, APP_PORT) as sock:
         data, how = ended_by(sock)
     assert (data, how) == (b"", "eof")
-    wait_until(lambda: len(ztunnel.log_lines("connection complete", "error=")) > failures, 10,
-               "ztunnel's access log of the failed connection")
+    wait_until(
+        lambda: len(ztunnel.log_lines("connection complete", "error=")) > failures,
+        10,
+        "ztunnel's access log of the failed connection",
+    )
 
 
 # -- proxy stopping: a successor shares the ports, the old node gets SIGTERM -------------------------
@@ -225,7 +228,10 @@ def test_proxy_restart_with_ztunnel_pool_in_flight(network, start_ztunnel, start
         pytest.fail("the old ztwisted did not exit after its last tunnel ended")
     assert status in (0, -signal.SIGTERM)
     assert later_connections(network, syns) == {"sequential": 0, "concurrent": 0}
-    assert successor.metric("istio_tcp_connections_opened_total", reporter="destination") == BURST + LATER_SEQUENTIAL + LATER_CONCURRENT
+    assert (
+        successor.metric("istio_tcp_connections_opened_total", reporter="destination")
+        == BURST + LATER_SEQUENTIAL + LATER_CONCURRENT
+    )
 
 
 # -- ztunnel draining as the server (SIGTERM) with ztwisted's pool in flight -----------------------------
@@ -243,8 +249,11 @@ def test_ztunnel_drain_with_ztwisted_pool_in_flight(network, start_ztunnel, star
         return [e for e in ztwisted.log_events() if e.get("message", "").startswith("GOAWAY from ")]
 
     # RFC 9113's graceful sequence: GOAWAY 2^31-1, then GOAWAY with the last stream ztunnel took.
-    received = wait_until(lambda: len(goaways_at_ztwisted()) >= 2 and goaways_at_ztwisted(), 10,
-                          "ztwisted receiving ztunnel's two GOAWAYs")
+    received = wait_until(
+        lambda: len(goaways_at_ztwisted()) >= 2 and goaways_at_ztwisted(),
+        10,
+        "ztwisted receiving ztunnel's two GOAWAYs",
+    )
     assert [(e["last"], e["code"]) for e in received] == [(2**31 - 1, 0), (2 * IN_FLIGHT - 1, 0)]
     assert in_flight.finish() == ["exact"] * IN_FLIGHT
     stopping.join(TIMEOUT)

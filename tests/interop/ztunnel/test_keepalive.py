@@ -61,7 +61,9 @@ def pings_received(ztunnel, ack: bool) -> int:
 
 def test_ztwisted_finds_a_frozen_ztunnel(network, start_ztunnel, start_ztwisted):
     ztunnel = start_ztunnel(env=H2_FRAMES_LOGGED)
-    ztwisted = start_ztwisted("--keepalive-interval", str(ZTWISTED_INTERVAL), "--keepalive-timeout", str(ZTWISTED_TIMEOUT))
+    ztwisted = start_ztwisted(
+        "--keepalive-interval", str(ZTWISTED_INTERVAL), "--keepalive-timeout", str(ZTWISTED_TIMEOUT)
+    )
     from_ztunnel, from_ztwisted = tunnels_both_ways(network)
     # Idle past ztwisted's interval: ztunnel answers its PINGs, and the tunnels live on.
     wait_until(lambda: pings_received(ztunnel, ack=False) >= 4, 10 * ZTWISTED_INTERVAL, "ztwisted's PINGs at ztunnel")
@@ -73,10 +75,15 @@ def test_ztwisted_finds_a_frozen_ztunnel(network, start_ztunnel, start_ztwisted)
     try:
 
         def closed_by_keepalive(direction):
-            return ztwisted.metric("ztwisted_hbone_connections_closed_total", direction=direction, ended_by="keepalive-timeout")
+            return ztwisted.metric(
+                "ztwisted_hbone_connections_closed_total", direction=direction, ended_by="keepalive-timeout"
+            )
 
-        wait_until(lambda: closed_by_keepalive("outbound") and closed_by_keepalive("inbound"),
-                   ZTWISTED_INTERVAL + ZTWISTED_TIMEOUT + MARGIN, "ztwisted closing both connections to the frozen ztunnel")
+        wait_until(
+            lambda: closed_by_keepalive("outbound") and closed_by_keepalive("inbound"),
+            ZTWISTED_INTERVAL + ZTWISTED_TIMEOUT + MARGIN,
+            "ztwisted closing both connections to the frozen ztunnel",
+        )
         detected_after = time.monotonic() - frozen_at
         # ztwisted's app learns at once: its tunnel ends.
         _, how = ended_by(from_ztwisted, timeout=5)
@@ -94,7 +101,11 @@ def test_ztunnel_finds_a_frozen_ztwisted(network, start_ztunnel, start_ztwisted)
     ztwisted = start_ztwisted()
     from_ztunnel, from_ztwisted = tunnels_both_ways(network)
     # Idle past ztunnel's interval: ztwisted answers its PINGs on both connections, the tunnels live on.
-    wait_until(lambda: pings_received(ztunnel, ack=True) >= 2, ZTUNNEL_INTERVAL + MARGIN, "ztwisted's answers to ztunnel's PINGs")
+    wait_until(
+        lambda: pings_received(ztunnel, ack=True) >= 2,
+        ZTUNNEL_INTERVAL + MARGIN,
+        "ztwisted's answers to ztunnel's PINGs",
+    )
     echo_on(from_ztunnel, from_ztwisted)
 
     ztwisted.process.send_signal(signal.SIGSTOP)
@@ -104,13 +115,18 @@ def test_ztunnel_finds_a_frozen_ztwisted(network, start_ztunnel, start_ztwisted)
         _, client_side = ended_by(from_ztunnel, timeout=ZTUNNEL_INTERVAL + ZTUNNEL_TIMEOUT + MARGIN)
         client_detected_after = time.monotonic() - frozen_at
         # zpod's app behind ztunnel's inbound: the tunnel from ztwisted ends too.
-        wait_until(lambda: network.zpod_echo.outcomes, ZTUNNEL_INTERVAL + ZTUNNEL_TIMEOUT + MARGIN,
-                   "ztunnel ending the inbound tunnel from the frozen ztwisted")
+        wait_until(
+            lambda: network.zpod_echo.outcomes,
+            ZTUNNEL_INTERVAL + ZTUNNEL_TIMEOUT + MARGIN,
+            "ztunnel ending the inbound tunnel from the frozen ztwisted",
+        )
         server_detected_after = time.monotonic() - frozen_at
     finally:
         ztwisted.process.send_signal(signal.SIGCONT)
-    print(f"ztunnel found the frozen ztwisted after {client_detected_after:.1f} s (client side, app saw "
-          f"{client_side}) and {server_detected_after:.1f} s (server side, app saw {network.zpod_echo.outcomes})")
+    print(
+        f"ztunnel found the frozen ztwisted after {client_detected_after:.1f} s (client side, app saw "
+        f"{client_side}) and {server_detected_after:.1f} s (server side, app saw {network.zpod_echo.outcomes})"
+    )
     assert client_detected_after > ZTUNNEL_INTERVAL, "something other than ztunnel's PING ended the tunnel"
     assert client_side in ("eof", "ConnectionResetError")
     from_ztunnel.close()

@@ -45,17 +45,22 @@ NET = int(os.environ.get("ZTWISTED_TEST_NET", "0"))
 PREFIX = f"ztw{NET}zds-"
 WAIT = 15.0
 POD_A_IP, POD_B_IP, POD_C_IP = "10.251.0.2", "10.251.0.3", "10.251.0.4"
-PODS = [("a", POD_A_IP, "uid-pod-a", "pod-a"), ("b", POD_B_IP, "uid-pod-b", "pod-b"),
-        ("c", POD_C_IP, "uid-pod-c", "pod-c")]
+PODS = [
+    ("a", POD_A_IP, "uid-pod-a", "pod-a"),
+    ("b", POD_B_IP, "uid-pod-b", "pod-b"),
+    ("c", POD_C_IP, "uid-pod-c", "pod-c"),
+]
 POD_PORTS = {15001, 15006, 15008}
 ZTWISTED_NODE, ZTUNNEL_NODE = "node-1", "zt-node"
 
 
 def workload_entry(pod, node: str) -> str:
     # trustDomain and services spelled out: ztunnel's local config needs them (docs/configuration.rst).
-    return (f"- {{uid: {pod.uid}, name: {pod.name}, namespace: {pod.namespace}, serviceAccount: {pod.service_account},"
-            f" trustDomain: cluster.local, workloadIps: [\"{pod.ip}\"], protocol: HBONE, node: {node},"
-            f" services: {{}}}}\n")
+    return (
+        f"- {{uid: {pod.uid}, name: {pod.name}, namespace: {pod.namespace}, serviceAccount: {pod.service_account},"
+        f' trustDomain: cluster.local, workloadIps: ["{pod.ip}"], protocol: HBONE, node: {node},'
+        f" services: {{}}}}\n"
+    )
 
 
 def listening_ports(pod) -> set[int]:
@@ -67,8 +72,10 @@ def lab():
     reason = cannot_build_pods()
     if reason:
         pytest.fail(f"ZDS interop with ztunnel needs pods: {reason}", pytrace=False)
-    subprocess.run(["sh", "-c", f"for n in $(ip netns list | grep -o '^{PREFIX}[^ ]*'); do ip netns del $n; done"],
-                   capture_output=True)
+    subprocess.run(
+        ["sh", "-c", f"for n in $(ip netns list | grep -o '^{PREFIX}[^ ]*'); do ip netns del $n; done"],
+        capture_output=True,
+    )
     network = PodNetworkLab(PREFIX)
     try:
         network.build(PODS)
@@ -97,23 +104,36 @@ def cleanup():
 
 def start_ztunnel_inpod(lab, tmp_path, install, mesh: Path, socket_path: Path, cleanup) -> ZtunnelPeer:
     ztunnel = ZtunnelPeer(
-        "ztunnel", netns=lab.ztunnel_netns, config=mesh, workdir=tmp_path / "ztunnel", workload=None,
+        "ztunnel",
+        netns=lab.ztunnel_netns,
+        config=mesh,
+        workdir=tmp_path / "ztunnel",
+        workload=None,
         install=install,
         # As root, ztunnel would connect to the app from the client's address (IP_TRANSPARENT); the pods
         # here have no routing rules that bring the app's answers back to it.
-        env={"PROXY_MODE": "shared", "INPOD_UDS": str(socket_path), "ENABLE_ORIG_SRC": "false",
-             "NODE_NAME": ZTUNNEL_NODE},
+        env={
+            "PROXY_MODE": "shared",
+            "INPOD_UDS": str(socket_path),
+            "ENABLE_ORIG_SRC": "false",
+            "NODE_NAME": ZTUNNEL_NODE,
+        },
     )
     cleanup.append(ztunnel)
     return ztunnel.start(timeout=60)
 
 
 def test_ztwisted_agent_drives_real_ztunnel_snapshot_add_del_and_shutdown_starting(
-        lab, tmp_path, ztunnel_install, pki, cleanup):
+    lab, tmp_path, ztunnel_install, pki, cleanup
+):
     pod_a, pod_b, pod_c = (lab.pods[p] for p in "abc")
     mesh = tmp_path / "mesh.yaml"
-    mesh.write_text("workloads:\n" + workload_entry(pod_a, ZTWISTED_NODE) + workload_entry(pod_b, ZTUNNEL_NODE)
-                    + workload_entry(pod_c, ZTUNNEL_NODE))
+    mesh.write_text(
+        "workloads:\n"
+        + workload_entry(pod_a, ZTWISTED_NODE)
+        + workload_entry(pod_b, ZTUNNEL_NODE)
+        + workload_entry(pod_c, ZTUNNEL_NODE)
+    )
     socket_path = tmp_path / "zt-agent.sock"
     agent = AgentProcess(tmp_path, "agent-zt", socket_path, control_ip(NET, 5), manual_snapshot=False).start()
     cleanup.append(agent)
@@ -160,13 +180,23 @@ def test_ztwisted_agent_drives_real_ztunnel_snapshot_add_del_and_shutdown_starti
     assert code == 1 and not ack["ok"], reply
     assert "failure to read message" in ack["error"] and "no payload" in ack["error"], ack
     wait_until(lambda: ztunnel.log_lines("failed to read message"), timeout=WAIT, what="ztunnel's log of it")
-    wait_until(lambda: agent.status()["proxies"] and agent.status()["proxies"][-1]["hello_version"] == 1
-               and ztunnel.ready(), timeout=WAIT, what="ztunnel to reconnect to the agent")
+    wait_until(
+        lambda: agent.status()["proxies"] and agent.status()["proxies"][-1]["hello_version"] == 1 and ztunnel.ready(),
+        timeout=WAIT,
+        what="ztunnel to reconnect to the agent",
+    )
     assert ztunnel.running
     report = roundtrip(pod_a, POD_B_IP, APP_PORT, 50_000)
     assert report["exact"], report
-    print(json.dumps({"shutdown_starting_reply": reply, "ztunnel_log": ztunnel.log_lines("failed to read message")
-                      + ztunnel.log_lines("process stream ended")}, indent=1))
+    print(
+        json.dumps(
+            {
+                "shutdown_starting_reply": reply,
+                "ztunnel_log": ztunnel.log_lines("failed to read message") + ztunnel.log_lines("process stream ended"),
+            },
+            indent=1,
+        )
+    )
 
 
 def test_ztunnels_inpodserver_drives_ztwisted_in_pod_mode(lab, tmp_path, ztunnel_install, cleanup):
@@ -182,17 +212,28 @@ def test_ztunnels_inpodserver_drives_ztwisted_in_pod_mode(lab, tmp_path, ztunnel
     server = subprocess.Popen(
         [str(ztunnel_install.inpodserver), pod_b.netns],
         env={**os.environ, "INPOD_UDS": str(socket_path), "PROXY_WORKLOAD_INFO": f"default/{pod_b.name}/{pod_b.name}"},
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "inpodserver.log", "wb"))
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "inpodserver.log", "wb"),
+    )
     cleanup.append(_Process(server))
     wait_until(socket_path.exists, timeout=WAIT, what="inpodserver to listen")
-    node = NodeProcess(tmp_path / "ztwisted", name="ztwisted", control_ip=control_ip(NET, 1), config=mesh,
-                       node=ZTWISTED_NODE, state_dir=tmp_path / "state", extra_args=("--inpod-uds", str(socket_path)))
+    node = NodeProcess(
+        tmp_path / "ztwisted",
+        name="ztwisted",
+        control_ip=control_ip(NET, 1),
+        config=mesh,
+        node=ZTWISTED_NODE,
+        state_dir=tmp_path / "state",
+        extra_args=("--inpod-uds", str(socket_path)),
+    )
     cleanup.append(node)
     node.start()
 
     # inpodserver exits once its Add is acknowledged (with success: it fails otherwise).
     assert server.wait(WAIT) == 0, (tmp_path / "inpodserver.log").read_text()
-    assert [e for e in node.log_events() if e.get("message", "").startswith("proxy for pod uid-0 (default/pod-b) started")]
+    assert [
+        e for e in node.log_events() if e.get("message", "").startswith("proxy for pod uid-0 (default/pod-b) started")
+    ]
     wait_until(lambda: listening_ports(pod_b) >= POD_PORTS, timeout=WAIT, what="ztwisted's listeners in pod B")
     # The agent is gone: ztwisted reports not ready and reconnects, and keeps serving the pod meanwhile.
     assert node.http("readiness", "/healthz/ready")[0] == 500
@@ -205,9 +246,11 @@ def test_ztunnels_inpodserver_drives_ztwisted_in_pod_mode(lab, tmp_path, ztunnel
     pod_b.redirect_inbound()
     report = roundtrip(outside, POD_B_IP, APP_PORT, 100_000)
     assert report["exact"], report
-    (inbound,) = wait_until(lambda: [e for e in node.log_events()
-                                     if e.get("scope") == "access" and e.get("direction") == "inbound"],
-                            timeout=WAIT, what="ztwisted's access log of the captured connection")
+    (inbound,) = wait_until(
+        lambda: [e for e in node.log_events() if e.get("scope") == "access" and e.get("direction") == "inbound"],
+        timeout=WAIT,
+        what="ztwisted's access log of the captured connection",
+    )
     assert inbound["dst.workload"] == "pod-b" and inbound["src.addr"].startswith(f"{POD_C_IP}:"), inbound
 
 

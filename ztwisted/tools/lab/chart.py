@@ -44,7 +44,11 @@ class _Svg:
         self.parts: list[str] = []
 
     def add(self, element: str, **attributes) -> None:
-        self.parts.append(f"<{element} " + " ".join(f"{k.rstrip('_').replace('_', '-')}={quoteattr(str(v))}" for k, v in attributes.items()) + "/>")
+        self.parts.append(
+            f"<{element} "
+            + " ".join(f"{k.rstrip('_').replace('_', '-')}={quoteattr(str(v))}" for k, v in attributes.items())
+            + "/>"
+        )
 
     def text(self, x: float, y: float, text: str, **attributes) -> None:
         attrs = " ".join(f"{k.rstrip('_').replace('_', '-')}={quoteattr(str(v))}" for k, v in attributes.items())
@@ -55,8 +59,19 @@ def render_svg(results: dict) -> str:
     strategies = results["strategies"]
     end = max((_end(s) for s in strategies), default=1.0)
     end = max(5.0, float(math.ceil(end)))
-    rate_max = _nice(max((a + b for s in strategies for a, b in zip(s["series"]["succeeded_per_s"], s["series"]["failed_per_s"], strict=False)), default=1))
-    conn_max = max([2, *(n for s in strategies for key in ("hbone_a_to_b1", "hbone_a_to_b2") for _, n in s["series"][key])])
+    rate_max = _nice(
+        max(
+            (
+                a + b
+                for s in strategies
+                for a, b in zip(s["series"]["succeeded_per_s"], s["series"]["failed_per_s"], strict=False)
+            ),
+            default=1,
+        )
+    )
+    conn_max = max(
+        [2, *(n for s in strategies for key in ("hbone_a_to_b1", "hbone_a_to_b2") for _, n in s["series"][key])]
+    )
     panel_h = TITLE_H + LABEL_ROWS * LABEL_ROW + RATE_H + GAP + CONN_H + AXIS_H
     height = HEADER + len(strategies) * (panel_h + PANEL_GAP)
     plot_w = WIDTH - LEFT - RIGHT
@@ -66,8 +81,13 @@ def render_svg(results: dict) -> str:
 
     svg = _Svg()
     lab = results["lab"]
-    svg.text(LEFT, 20, f"ztunnel-lab: a pod shutdown on live traffic ({lab['mode']} mode, seed {lab['seed']})",
-             font_size=15, font_weight="bold")
+    svg.text(
+        LEFT,
+        20,
+        f"ztunnel-lab: a pod shutdown on live traffic ({lab['mode']} mode, seed {lab['seed']})",
+        font_size=15,
+        font_weight="bold",
+    )
     _legend(svg, LEFT, 42)
     for index, strategy in enumerate(strategies):
         top = HEADER + index * (panel_h + PANEL_GAP)
@@ -101,8 +121,16 @@ def _legend(svg: _Svg, x: float, y: float) -> None:
         if kind == "bar":
             svg.add("rect", x=x, y=y - 8, width=10, height=9, fill=color)
         else:
-            svg.add("line", x1=x, y1=y - 4, x2=x + 14, y2=y - 4, stroke=color, stroke_width=2,
-                    stroke_dasharray="4 3" if kind == "dash" else "none")
+            svg.add(
+                "line",
+                x1=x,
+                y1=y - 4,
+                x2=x + 14,
+                y2=y - 4,
+                stroke=color,
+                stroke_width=2,
+                stroke_dasharray="4 3" if kind == "dash" else "none",
+            )
         svg.text(x + 18, y, label)
         x += 28 + 6.6 * len(label)
 
@@ -130,12 +158,26 @@ def _panel(svg: _Svg, strategy: dict, top: float, x_of, end: float, rate_max: fl
         svg.add("line", x1=LEFT, y1=y, x2=right, y2=y, stroke="#e0e0e0")
         svg.text(LEFT - 6, y + 4, f"{rate_max * fraction:g}", text_anchor="end", fill="#616161")
     svg.text(LEFT - 6, rate_top + RATE_H + 4, "0", text_anchor="end", fill="#616161")
-    svg.text(14, rate_top + RATE_H / 2, "req/s", fill="#616161", transform=f"rotate(-90 14 {rate_top + RATE_H / 2})", text_anchor="middle")
+    svg.text(
+        14,
+        rate_top + RATE_H / 2,
+        "req/s",
+        fill="#616161",
+        transform=f"rotate(-90 14 {rate_top + RATE_H / 2})",
+        text_anchor="middle",
+    )
     for n in range(0, conn_max + 1, max(1, conn_max // 2)):
         y = conn_top + CONN_H * (1 - n / conn_max)
         svg.add("line", x1=LEFT, y1=y, x2=right, y2=y, stroke="#e0e0e0")
         svg.text(LEFT - 6, y + 4, str(n), text_anchor="end", fill="#616161")
-    svg.text(14, conn_top + CONN_H / 2, "HBONE", fill="#616161", transform=f"rotate(-90 14 {conn_top + CONN_H / 2})", text_anchor="middle")
+    svg.text(
+        14,
+        conn_top + CONN_H / 2,
+        "HBONE",
+        fill="#616161",
+        transform=f"rotate(-90 14 {conn_top + CONN_H / 2})",
+        text_anchor="middle",
+    )
 
     # x axis
     step = 1 if end <= 10 else 2 if end <= 20 else 5
@@ -154,13 +196,26 @@ def _panel(svg: _Svg, strategy: dict, top: float, x_of, end: float, rate_max: fl
         if rate:
             x0, x1 = x_of(i * width), x_of((i + 1) * width)
             h = max(3.0, RATE_H * min(rate, rate_max) / rate_max)  # a lone failure stays visible
-            svg.add("rect", x=f"{x0:.1f}", y=f"{rate_top + RATE_H - h:.1f}", width=f"{max(1.0, x1 - x0 - 1):.1f}", height=f"{h:.1f}", fill=FAILED)
+            svg.add(
+                "rect",
+                x=f"{x0:.1f}",
+                y=f"{rate_top + RATE_H - h:.1f}",
+                width=f"{max(1.0, x1 - x0 - 1):.1f}",
+                height=f"{h:.1f}",
+                fill=FAILED,
+            )
     points = []
     for i, rate in enumerate(series["succeeded_per_s"]):
         y = rate_top + RATE_H * (1 - min(rate, rate_max) / rate_max)
         points += [(x_of(i * width), y), (x_of((i + 1) * width), y)]
     if points:
-        svg.add("polyline", points=" ".join(f"{x:.1f},{y:.1f}" for x, y in points), fill="none", stroke=SUCCEEDED, stroke_width=1.6)
+        svg.add(
+            "polyline",
+            points=" ".join(f"{x:.1f},{y:.1f}" for x, y in points),
+            fill="none",
+            stroke=SUCCEEDED,
+            stroke_width=1.6,
+        )
 
     # open HBONE connections A->B1 and A->B2 (step lines from the pool polls)
     for key, color, offset in (("hbone_a_to_b2", TO_B2, 0.0), ("hbone_a_to_b1", TO_B1, 1.5)):
@@ -175,7 +230,13 @@ def _panel(svg: _Svg, strategy: dict, top: float, x_of, end: float, rate_max: fl
                 points.append((x_of(t), previous_y))
             points.append((x_of(t), y))
             previous_y = y
-        svg.add("polyline", points=" ".join(f"{x:.1f},{y:.1f}" for x, y in points), fill="none", stroke=color, stroke_width=1.8)
+        svg.add(
+            "polyline",
+            points=" ".join(f"{x:.1f},{y:.1f}" for x, y in points),
+            fill="none",
+            stroke=color,
+            stroke_width=1.8,
+        )
 
     # lifecycle events: a dashed line through both plots; events a few pixels apart share one label,
     # put in the first row above that is free at its x

@@ -70,25 +70,69 @@ class RunOptions(usage.Options):
     )
     optParameters = [
         ["strategies", None, ",".join(DEFAULT_STRATEGIES), "Comma-separated; combine ztwisted strategies with '+'."],
-        ["mode", None, "loopback", "loopback: pods on 127.x addresses, discovery from local config files; netns: pods "
-         "in network namespaces, discovery and certificates from a lab ztunnel-control-plane (root)."],
-        ["client-proxy", None, "ztwisted", "Node A, the client pods' node: ztwisted or Istio's real ztunnel (needs "
-         "--mode netns and the cached build of tests/peers/ztunnel_build.py); node B is always ztwisted."],
+        [
+            "mode",
+            None,
+            "loopback",
+            "loopback: pods on 127.x addresses, discovery from local config files; netns: pods "
+            "in network namespaces, discovery and certificates from a lab ztunnel-control-plane (root).",
+        ],
+        [
+            "client-proxy",
+            None,
+            "ztwisted",
+            "Node A, the client pods' node: ztwisted or Istio's real ztunnel (needs "
+            "--mode netns and the cached build of tests/peers/ztunnel_build.py); node B is always ztwisted.",
+        ],
         ["seed", None, 1, "Seeds the apps' request schedules and payloads.", int],
-        ["duration", None, None, f"Seconds of traffic per strategy; the default timeline "
-         f"({DEFAULT_TIMELINE.nominal:g} s) is scaled to it.", _positive(float)],
-        ["warmup", None, None, f"Seconds before B1 starts terminating (default {DEFAULT_TIMELINE.warmup:g}).", _seconds],
-        ["unready-after", None, None, "Seconds after 'terminating' when node A's discovery stops using B1 as an "
-         f"endpoint, or 'never' (default {DEFAULT_TIMELINE.unready_after:g}).", _seconds_or_never],
-        ["grace", None, None, f"Seconds from 'terminating' to B1's app exit (default {DEFAULT_TIMELINE.grace:g}).", _seconds],
-        ["observe", None, None, f"Seconds of traffic after B1 is removed (default {DEFAULT_TIMELINE.observe:g}).", _seconds],
+        [
+            "duration",
+            None,
+            None,
+            f"Seconds of traffic per strategy; the default timeline ({DEFAULT_TIMELINE.nominal:g} s) is scaled to it.",
+            _positive(float),
+        ],
+        [
+            "warmup",
+            None,
+            None,
+            f"Seconds before B1 starts terminating (default {DEFAULT_TIMELINE.warmup:g}).",
+            _seconds,
+        ],
+        [
+            "unready-after",
+            None,
+            None,
+            "Seconds after 'terminating' when node A's discovery stops using B1 as an "
+            f"endpoint, or 'never' (default {DEFAULT_TIMELINE.unready_after:g}).",
+            _seconds_or_never,
+        ],
+        [
+            "grace",
+            None,
+            None,
+            f"Seconds from 'terminating' to B1's app exit (default {DEFAULT_TIMELINE.grace:g}).",
+            _seconds,
+        ],
+        [
+            "observe",
+            None,
+            None,
+            f"Seconds of traffic after B1 is removed (default {DEFAULT_TIMELINE.observe:g}).",
+            _seconds,
+        ],
         ["out", None, None, "Directory for results.json, drain-lab.svg, table.txt and logs.", Path],
         ["net", None, 91, "Use addresses 127.NET.0.0/16.", int],
         ["keepalive-interval", None, 2.0, "Proxies' HBONE keepalive interval.", _positive(float)],
         ["keepalive-timeout", None, 3.0, "Proxies' HBONE keepalive timeout.", _positive(float)],
         ["pod-drain-timeout", None, 3.0, "Proxies' --pod-drain-timeout.", _positive(float)],
-        ["pool-connections", None, DEFAULT_TRAFFIC.pool_connections, "Keep-alive connections of the pooling app.",
-         _positive(int)],
+        [
+            "pool-connections",
+            None,
+            DEFAULT_TRAFFIC.pool_connections,
+            "Keep-alive connections of the pooling app.",
+            _positive(int),
+        ],
         ["pool-rate", None, DEFAULT_TRAFFIC.pool_rate, "Requests/s per pooled connection.", _positive(float)],
         ["request-rate", None, DEFAULT_TRAFFIC.request_rate, "Requests/s of the per-request app.", _positive(float)],
     ]
@@ -149,8 +193,12 @@ def config_from(options: RunOptions) -> LabConfig:
         client_proxy=options["client-proxy"],
         seed=options["seed"],
         timeline=timeline_from(options),
-        traffic=attr.evolve(Traffic(), pool_connections=options["pool-connections"], pool_rate=options["pool-rate"],
-                            request_rate=options["request-rate"]),
+        traffic=attr.evolve(
+            Traffic(),
+            pool_connections=options["pool-connections"],
+            pool_rate=options["pool-rate"],
+            request_rate=options["request-rate"],
+        ),
         keepalive_interval=options["keepalive-interval"],
         keepalive_timeout=options["keepalive-timeout"],
         pod_drain_timeout=options["pod-drain-timeout"],

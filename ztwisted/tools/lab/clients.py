@@ -146,8 +146,17 @@ class _App:
     every thread of the app (to enter the pod's network namespace); ``tunnel_opened_on_connect`` says
     whether ``connect`` returns only once the tunnel is open (SOCKS5) or at once (a redirect)."""
 
-    def __init__(self, name: str, connect: Callable[[float], socket.socket], traffic: Traffic, recorder: Recorder,
-                 seed: int, *, enter: Callable[[], None] | None = None, tunnel_opened_on_connect: bool = True):
+    def __init__(
+        self,
+        name: str,
+        connect: Callable[[float], socket.socket],
+        traffic: Traffic,
+        recorder: Recorder,
+        seed: int,
+        *,
+        enter: Callable[[], None] | None = None,
+        tunnel_opened_on_connect: bool = True,
+    ):
         self.name = name
         self.connect = connect
         self.enter = enter or (lambda: None)
@@ -174,7 +183,9 @@ class _App:
             self.connections_opened += 1
         return sock, started
 
-    def _exchange(self, sock: socket.socket, request: Request, record: RequestRecord, connect_started: float | None) -> None:
+    def _exchange(
+        self, sock: socket.socket, request: Request, record: RequestRecord, connect_started: float | None
+    ) -> None:
         sock.settimeout(self.traffic.timeout)
         reader = FrameReader(sock)
         sent_at = time.monotonic()
@@ -210,7 +221,9 @@ class PoolingApp(_App):
 
     def start(self, clock: Clock) -> PoolingApp:
         for index in range(self.traffic.pool_connections):
-            thread = threading.Thread(target=self._connection, args=(clock, index), name=f"{self.name}-{index}", daemon=True)
+            thread = threading.Thread(
+                target=self._connection, args=(clock, index), name=f"{self.name}-{index}", daemon=True
+            )
             self._threads.append(thread)
             thread.start()
         return self

@@ -160,7 +160,8 @@ def measure(raw: dict) -> dict:
     # those open; its handshake failures are labelled reason="inbound".
     accepted_by_b = total(window_b, "ztwisted_hbone_connections_closed_total", direction="inbound") + (
         total(scrapes["after"]["b"], "ztwisted_hbone_connections", direction="inbound")
-        - total(scrapes["before"]["b"], "ztwisted_hbone_connections", direction="inbound"))
+        - total(scrapes["before"]["b"], "ztwisted_hbone_connections", direction="inbound")
+    )
     failed_at_b = total(window_b, "ztwisted_tls_handshake_failures_total", reason="inbound")
     client_proxy = raw.get("client_proxy", "ztwisted")
     if client_proxy == "ztwisted":
@@ -192,10 +193,14 @@ def measure(raw: dict) -> dict:
             "accepted_by_b_in_window": int(accepted_by_b),
             "tls_handshake_failures_at_b_in_window": int(failed_at_b),
             "opened_seen_by_destination": (
-                wire_openings(wire, terminating) if raw.get("pool_source") == "wire"
-                else openings_seen(raw["pool"], terminating)),
+                wire_openings(wire, terminating)
+                if raw.get("pool_source") == "wire"
+                else openings_seen(raw["pool"], terminating)
+            ),
             "connect_attempts_seen_by_destination": wire_openings(wire, terminating, attempts=True) if wire else None,
-            "seen_on": "the client pods' TCP tables" if raw.get("pool_source") == "wire" else "node A's /config_dump pool",
+            "seen_on": "the client pods' TCP tables"
+            if raw.get("pool_source") == "wire"
+            else "node A's /config_dump pool",
             "closed_in_window": {
                 "a": _ended_by(window_a, "outbound"),
                 "b": _ended_by(window_b, "inbound"),

@@ -40,7 +40,12 @@ from ztwisted.tools.system import missing_for_network_setup
 PACKET_MARK = 1337  # the in-pod proxy's mark on its own sockets
 UNIX_PATH_MAX = 108  # sun_path, with its terminating NUL
 ROUTER_ADDRESS = "169.254.1.1"  # the pods' gateway, on every router-side veth
-PODS = {"client-pool": ("client", "node-a"), "client-req": ("client", "node-a"), "b1": ("echo", "node-b"), "b2": ("echo", "node-b")}
+PODS = {
+    "client-pool": ("client", "node-a"),
+    "client-req": ("client", "node-a"),
+    "b1": ("echo", "node-b"),
+    "b2": ("echo", "node-b"),
+}
 
 
 @attr.s(frozen=True)
@@ -75,7 +80,9 @@ def missing_for_netns() -> list[str]:
     if importlib.util.find_spec("ztwisted.tools.agent") is None:
         missing.append("ztwisted.tools.agent (the ZDS node agent)")
     if importlib.util.find_spec("grpc") is None:
-        missing.append("grpcio, for the lab control plane that feeds both nodes (pip install 'ztwisted[control-plane]')")
+        missing.append(
+            "grpcio, for the lab control plane that feeds both nodes (pip install 'ztwisted[control-plane]')"
+        )
     return missing
 
 
@@ -83,7 +90,8 @@ def check_netns_mode() -> None:
     missing = missing_for_netns()
     if missing:
         raise LabError(
-            "--mode netns is not available here; missing:\n  - " + "\n  - ".join(missing)
+            "--mode netns is not available here; missing:\n  - "
+            + "\n  - ".join(missing)
             + "\nUse --mode loopback (the default)."
         )
 
@@ -160,8 +168,30 @@ def create_lab_namespaces(namespaces: Namespaces, addresses: NetnsAddresses) -> 
     for pod in PODS:
         namespaces.add_pod(pod, addresses.pod_ip(pod))
     for pod in ("client-pool", "client-req"):
-        _run("ip", "netns", "exec", namespaces.name(pod), "iptables", "-t", "nat", "-A", "OUTPUT", "-p", "tcp",
-             "-d", f"{addresses.vip}/32", "-m", "mark", "!", "--mark", str(PACKET_MARK), "-j", "REDIRECT", "--to-ports", "15001")
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            namespaces.name(pod),
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "-d",
+            f"{addresses.vip}/32",
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            str(PACKET_MARK),
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            "15001",
+        )
 
 
 def leftover_namespaces(net: int) -> list[str]:
@@ -173,7 +203,12 @@ def leftover_namespaces(net: int) -> list[str]:
     left = []
     for name in names:
         parts = name.split("-", 2)
-        if len(parts) == 3 and parts[0] == f"ztw{net}" and parts[1].isdigit() and not Path(f"/proc/{parts[1]}").exists():
+        if (
+            len(parts) == 3
+            and parts[0] == f"ztw{net}"
+            and parts[1].isdigit()
+            and not Path(f"/proc/{parts[1]}").exists()
+        ):
             left.append(name)
     return sorted(left)
 
@@ -199,9 +234,18 @@ class Agent:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ztwisted.tools.agent", "serve", "--socket", str(self.socket_path),
-             "--control", f"tcp:15099:interface={self.control_ip}"],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "ztwisted.tools.agent",
+                "serve",
+                "--socket",
+                str(self.socket_path),
+                "--control",
+                f"tcp:15099:interface={self.control_ip}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -216,14 +260,20 @@ class Agent:
 
     def call(self, operation: str, timeout: float = 30.0, **body) -> tuple[dict, float]:
         """POST an operation; (the JSON answer with every proxy's Ack, seconds until it came)."""
-        request = urllib.request.Request(f"{self.control}/{operation}", data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.control}/{operation}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         started = time.monotonic()
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as e:
-            raise LabError(f"{self.name} {operation} {body.get('uid', '')}: {e.code} {e.read().decode(errors='replace').strip()}") from None
+            raise LabError(
+                f"{self.name} {operation} {body.get('uid', '')}: {e.code} {e.read().decode(errors='replace').strip()}"
+            ) from None
         except OSError as e:
             raise LabError(f"{self.name} {operation}: {e}") from None
         return answer, time.monotonic() - started
@@ -271,8 +321,12 @@ class NetnsPlatform(Platform):
         addresses = self.addresses
         mesh = self.workdir / "discovery" / "mesh.yaml"
         write_mesh(mesh, addresses)
-        self.control_plane = ControlPlaneProcess(self.workdir / "discovery", mesh, listen=f"{addresses.control_plane}:15012",
-                                                 api=f"{addresses.control_plane}:15014")
+        self.control_plane = ControlPlaneProcess(
+            self.workdir / "discovery",
+            mesh,
+            listen=f"{addresses.control_plane}:15012",
+            api=f"{addresses.control_plane}:15014",
+        )
         try:
             self.control_plane.start()
         except RuntimeError as e:
@@ -292,23 +346,38 @@ class NetnsPlatform(Platform):
             agent.start()
             self.cleanup.callback(agent.stop)
             self.agents[node] = agent
-        self.node_b = self.node("node-b", addresses.node_b, None,
-                                node_args + xds_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)))
+        self.node_b = self.node(
+            "node-b",
+            addresses.node_b,
+            None,
+            node_args + xds_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)),
+        )
         self.start_node(self.node_b)
         if self.config.client_proxy == "ztunnel":
             from ztwisted.tools.lab.ztunnel_client import ZtunnelNodeA
 
-            self.node_a = ZtunnelNodeA(self.namespaces, self.workdir / "node-a", self.control_plane,
-                                       self.agents["node-a"].socket_path)
+            self.node_a = ZtunnelNodeA(
+                self.namespaces, self.workdir / "node-a", self.control_plane, self.agents["node-a"].socket_path
+            )
             self.cleanup.callback(self.node_a.stop)
             self.node_a.start()
         else:
-            self.node_a = self.node("node-a", addresses.node_a, None,
-                                    node_args + xds_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)))
+            self.node_a = self.node(
+                "node-a",
+                addresses.node_a,
+                None,
+                node_args + xds_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)),
+            )
             self.start_node(self.node_a)
         for pod, (service_account, node) in PODS.items():
-            answer, _ = self.agents[node].call("add", uid=_uid(pod), name=pod, namespace="default",
-                                               service_account=service_account, netns=self.namespaces.path(pod))
+            answer, _ = self.agents[node].call(
+                "add",
+                uid=_uid(pod),
+                name=pod,
+                namespace="default",
+                service_account=service_account,
+                netns=self.namespaces.path(pod),
+            )
             failed = [ack for ack in answer.get("acks", []) if not ack.get("ok")]
             if failed or not answer.get("acks"):
                 raise LabError(f"{node} did not start pod {pod}: {failed or answer}")
@@ -325,8 +394,11 @@ class NetnsPlatform(Platform):
     def watch_wire(self, clock):
         from ztwisted.tools.lab.wire import WireWatch
 
-        watch = WireWatch(clock, [self.namespaces.path(pod) for pod, (_, node) in PODS.items() if node == "node-a"],
-                          {self.addresses.b1: "b1", self.addresses.b2: "b2"})
+        watch = WireWatch(
+            clock,
+            [self.namespaces.path(pod) for pod, (_, node) in PODS.items() if node == "node-a"],
+            {self.addresses.b1: "b1", self.addresses.b2: "b2"},
+        )
         self.cleanup.callback(watch.stop)
         return watch.start()
 

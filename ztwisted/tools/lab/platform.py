@@ -46,8 +46,13 @@ class Platform:
 
     def node(self, name: str, control_ip: str, config: Path, extra_args: tuple[str, ...]) -> NodeProcess:
         return NodeProcess(
-            self.workdir / name, name=name, control_ip=control_ip, config=config, node=name,
-            state_dir=self.state_dir, extra_args=extra_args,
+            self.workdir / name,
+            name=name,
+            control_ip=control_ip,
+            config=config,
+            node=name,
+            state_dir=self.state_dir,
+            extra_args=extra_args,
         )
 
     def start_node(self, node: NodeProcess) -> None:

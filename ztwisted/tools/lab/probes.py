@@ -129,8 +129,9 @@ class Sampler:
     the draining and stream counts.
     """
 
-    def __init__(self, clock, node_a, node_b, *, b1_ip: str, b2_ip: str, interval: float = 0.2, metrics_every: int = 5,
-                 wire=None):
+    def __init__(
+        self, clock, node_a, node_b, *, b1_ip: str, b2_ip: str, interval: float = 0.2, metrics_every: int = 5, wire=None
+    ):
         self.clock = clock
         self.nodes = {"a": node_a, "b": node_b}
         self.b1_ip = b1_ip
@@ -199,4 +200,3 @@ class Sampler:
             polls += 1
             next_at += self.interval
             self._stop.wait(max(0.0, next_at - time.monotonic()))
-

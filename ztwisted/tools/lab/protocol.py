@@ -90,7 +90,11 @@ class FrameReader:
                 return None
             raise ClosedEarly(0, LENGTH.size)
         self.first_byte_at = time.monotonic()
-        head = first if len(first) == LENGTH.size else first + self._exact(LENGTH.size - len(first), len(first), LENGTH.size)
+        head = (
+            first
+            if len(first) == LENGTH.size
+            else first + self._exact(LENGTH.size - len(first), len(first), LENGTH.size)
+        )
         (length,) = LENGTH.unpack(head)
         if length > MAX_FRAME:
             raise ProtocolError(f"frame of {length} bytes is larger than the {MAX_FRAME} allowed")

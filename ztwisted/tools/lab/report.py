@@ -82,7 +82,9 @@ def table_rows(results: dict) -> list[list[str]]:
 def format_table(results: dict, legend: bool = True) -> str:
     rows = table_rows(results)
     headers = [name for name, _ in COLUMNS]
-    widths = [max(len(headers[i]), *(len(row[i]) for row in rows)) if rows else len(headers[i]) for i in range(len(headers))]
+    widths = [
+        max(len(headers[i]), *(len(row[i]) for row in rows)) if rows else len(headers[i]) for i in range(len(headers))
+    ]
 
     def line(cells):
         return "  ".join(

@@ -45,8 +45,9 @@ def parse_strategies(names) -> list[Strategy]:
     return strategies
 
 
-def run_lab(config: LabConfig, progress: LabProgress | None = None, *, command: str | None = None,
-            keep_records: bool = False) -> dict:
+def run_lab(
+    config: LabConfig, progress: LabProgress | None = None, *, command: str | None = None, keep_records: bool = False
+) -> dict:
     """Run every strategy of ``config``; returns the JSON-ready results."""
     config.timeline.check()
     if config.client_proxy not in ("ztwisted", "ztunnel"):

@@ -90,12 +90,18 @@ class LabConfig:
 
     def node_args(self, strategy: Strategy) -> tuple[str, ...]:
         return (
-            "--drain-strategy", ",".join(strategy.components),
-            "--keepalive-interval", str(self.keepalive_interval),
-            "--keepalive-timeout", str(self.keepalive_timeout),
-            "--pod-drain-timeout", str(self.pod_drain_timeout),
-            "--drain-timeout", str(self.drain_timeout),
-            "--random-seed", str(self.seed),
+            "--drain-strategy",
+            ",".join(strategy.components),
+            "--keepalive-interval",
+            str(self.keepalive_interval),
+            "--keepalive-timeout",
+            str(self.keepalive_timeout),
+            "--pod-drain-timeout",
+            str(self.pod_drain_timeout),
+            "--drain-timeout",
+            str(self.drain_timeout),
+            "--random-seed",
+            str(self.seed),
         )
 
 
@@ -137,7 +143,9 @@ def platform_for(config: LabConfig, workdir: Path, state_dir: Path):
 class StrategyRun:
     """Runs one strategy's scenario and returns its raw observations (see :func:`measures.measure`)."""
 
-    def __init__(self, config: LabConfig, strategy: Strategy, workdir: Path, state_dir: Path, progress: Progress | None = None):
+    def __init__(
+        self, config: LabConfig, strategy: Strategy, workdir: Path, state_dir: Path, progress: Progress | None = None
+    ):
         self.config = config
         self.strategy = strategy
         self.workdir = workdir
@@ -177,15 +185,26 @@ class StrategyRun:
         self.clock = clock = Clock()
         self.recorder = recorder = Recorder(clock)
         wire = platform.watch_wire(clock)
-        sampler = Sampler(clock, platform.node_a, platform.node_b, b1_ip=addresses.b1, b2_ip=addresses.b2,
-                          wire=wire).start()
+        sampler = Sampler(
+            clock, platform.node_a, platform.node_b, b1_ip=addresses.b1, b2_ip=addresses.b2, wire=wire
+        ).start()
         cleanup.callback(sampler.stop)
         start_scrape = sampler.scrape()
         apps = [
-            PoolingApp("client-pool", traffic=config.traffic, recorder=recorder, seed=config.seed,
-                       **platform.client("client-pool")),
-            PerRequestApp("client-req", traffic=config.traffic, recorder=recorder, seed=config.seed,
-                          **platform.client("client-req")),
+            PoolingApp(
+                "client-pool",
+                traffic=config.traffic,
+                recorder=recorder,
+                seed=config.seed,
+                **platform.client("client-pool"),
+            ),
+            PerRequestApp(
+                "client-req",
+                traffic=config.traffic,
+                recorder=recorder,
+                seed=config.seed,
+                **platform.client("client-req"),
+            ),
         ]
         for app in apps:
             app.start(clock)
@@ -238,9 +257,10 @@ class StrategyRun:
             "records": recorder.records,
             "pool": sampler.pool,
             "pool_source": "wire" if wire is not None else "config_dump",
-            "wire_connections": [] if wire is None else [
-                {**seen, "namespace": Path(key[0]).name, "local_port": key[2]}
-                for key, seen in wire.connections.items()
+            "wire_connections": []
+            if wire is None
+            else [
+                {**seen, "namespace": Path(key[0]).name, "local_port": key[2]} for key, seen in wire.connections.items()
             ],
             "client_proxy": getattr(config, "client_proxy", "ztwisted"),
             "metrics": sampler.metrics,
@@ -248,8 +268,7 @@ class StrategyRun:
             "ack": ack,
             "b1_exit": exit_report,
             "apps": {
-                app.name: {"connections_opened": app.connections_opened, "idle_closes": app.idle_closes}
-                for app in apps
+                app.name: {"connections_opened": app.connections_opened, "idle_closes": app.idle_closes} for app in apps
             },
             "approximations": self.approximations,
             "sampler_errors": sampler.errors + ([] if wire is None else wire.errors),

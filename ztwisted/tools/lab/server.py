@@ -40,7 +40,9 @@ class ServerApp:
             listener.bind(self.address)
         except OSError as e:
             listener.close()
-            raise OSError(e.errno, f"server app {self.name} cannot listen on {self.address[0]}:{self.address[1]}: {e.strerror}") from None
+            raise OSError(
+                e.errno, f"server app {self.name} cannot listen on {self.address[0]}:{self.address[1]}: {e.strerror}"
+            ) from None
         listener.listen(512)
         self._listener = listener
         self._accepting = threading.Thread(target=self._accept, name=f"{self.name}-accept", daemon=True)

@@ -49,8 +49,9 @@ def tcp_table(text: str) -> list[tuple[str, int, str, int, int]]:
 class WireWatch:
     """Watches TCP connections from the given namespaces to ``destinations`` (``{ip: name}``) on ``port``."""
 
-    def __init__(self, clock, namespaces: list[str], destinations: dict[str, str], *, port: int = 15008,
-                 interval: float = 0.1):
+    def __init__(
+        self, clock, namespaces: list[str], destinations: dict[str, str], *, port: int = 15008, interval: float = 0.1
+    ):
         self.clock = clock
         self.namespaces = namespaces
         self.destinations = destinations
@@ -123,7 +124,9 @@ class WireWatch:
                     if name is None or remote_port != self.port or state not in WATCHED:
                         continue
                     key = (path, local_ip, local_port, remote_ip, remote_port)
-                    seen = self.connections.setdefault(key, {"destination": name, "first_seen": t, "established": False})
+                    seen = self.connections.setdefault(
+                        key, {"destination": name, "first_seen": t, "established": False}
+                    )
                     seen["last_seen"] = t
                     if state in HELD:
                         held[name] = held.get(name, 0) + 1

@@ -60,12 +60,26 @@ class ZtunnelNodeA:
         self.relay = Relay(namespaces.path("ztunnel-a"), (host, int(port)))
         root = str(control_plane.root_cert)
         self.peer = ZtunnelPeer(
-            "node-a", netns=namespaces.name("ztunnel-a"), config=control_plane.mesh, workdir=workdir, workload=None,
+            "node-a",
+            netns=namespaces.name("ztunnel-a"),
+            config=control_plane.mesh,
+            workdir=workdir,
+            workload=None,
             install=install,
-            env={"PROXY_MODE": "shared", "INPOD_UDS": str(agent_socket), "NODE_NAME": "node-a",
-                 "UNSTABLE_ENABLE_SOCKS5": "false", "FAKE_CA": None, "LOCAL_XDS_PATH": None,
-                 "XDS_ADDRESS": control_plane.address, "CA_ADDRESS": control_plane.address,
-                 "XDS_ROOT_CA": root, "CA_ROOT_CA": root, "POD_NAME": "ztunnel-a", "POD_NAMESPACE": "istio-system"},
+            env={
+                "PROXY_MODE": "shared",
+                "INPOD_UDS": str(agent_socket),
+                "NODE_NAME": "node-a",
+                "UNSTABLE_ENABLE_SOCKS5": "false",
+                "FAKE_CA": None,
+                "LOCAL_XDS_PATH": None,
+                "XDS_ADDRESS": control_plane.address,
+                "CA_ADDRESS": control_plane.address,
+                "XDS_ROOT_CA": root,
+                "CA_ROOT_CA": root,
+                "POD_NAME": "ztunnel-a",
+                "POD_NAMESPACE": "istio-system",
+            },
         )
         self.log_path = self.peer.log_path
 

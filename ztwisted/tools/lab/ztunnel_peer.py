@@ -118,9 +118,13 @@ def find_ztunnel() -> ZtunnelInstall:
             )
         archive = build.default_archive()
         if archive is None or not archive.is_file():
-            raise ZtunnelMissing("no ztunnel source archive (shared/peers/ztunnel/ztunnel-*.tar.gz; or set ZTWISTED_ZTUNNEL_ARCHIVE)")
+            raise ZtunnelMissing(
+                "no ztunnel source archive (shared/peers/ztunnel/ztunnel-*.tar.gz; or set ZTWISTED_ZTUNNEL_ARCHIVE)"
+            )
         if not build.cached(archive):
-            raise ZtunnelMissing(f"ztunnel is not built yet: run `python {BUILD_SCRIPT}` (once; it caches in {build.cache_dir(archive)})")
+            raise ZtunnelMissing(
+                f"ztunnel is not built yet: run `python {BUILD_SCRIPT}` (once; it caches in {build.cache_dir(archive)})"
+            )
         paths = build.binaries(archive)
         install = ZtunnelInstall(paths["ztunnel"], paths["inpodserver"], build.fake_ca_root_dir(archive))
     for path in (install.ztunnel, install.root_cert, install.root_key):
@@ -261,7 +265,9 @@ class ZtunnelPeer:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise ZtunnelFailed(f"ztunnel {self.name} did not exit within {timeout} s of SIGTERM:\n{self.log_tail()}") from None
+                raise ZtunnelFailed(
+                    f"ztunnel {self.name} did not exit within {timeout} s of SIGTERM:\n{self.log_tail()}"
+                ) from None
         self._close_log()
         return self.process.returncode
 

@@ -138,7 +138,7 @@ class InboundHBONE:
         log.info(
             "inbound TLS handshake to {workload} from {peer} failed: {why}",
             workload=self.workload.name,
-            peer=connection._peer_text(),
+            peer=connection.peer_text(),
             why=failure.getErrorMessage(),
         )
 

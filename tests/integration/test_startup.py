@@ -59,25 +59,26 @@ def test_start_up_log_in_text_format_has_the_same_lines(tmp_path, mesh):
     assert "Starting factory" not in text and " starting on " not in text and "Closed)" not in text
 
 
+def ztunnel_command(tmp_path, mesh, *args: str) -> list[str]:
+    """``twistd -n ztunnel`` in the foreground with this test's state directory and mesh, then ``args``."""
+    return twistd_command() + [
+        "-n",
+        "--pidfile=",
+        "ztunnel",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--config",
+        str(mesh),
+        *args,
+    ]
+
+
 def start_and_stop(tmp_path, mesh, *args: str) -> str:
     """Everything a ``twistd -n ztunnel`` prints from its start until it stopped on SIGTERM."""
     log = tmp_path / "twistd.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            twistd_command()
-            + [
-                "-n",
-                "--pidfile=",
-                "ztunnel",
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--config",
-                str(mesh),
-                "--node",
-                "node-s",
-                *control_listeners(),
-                *args,
-            ],
+            ztunnel_command(tmp_path, mesh, "--node", "node-s", *control_listeners(), *args),
             cwd=tmp_path,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -105,17 +106,7 @@ def test_a_port_in_use_at_start_up_is_one_line_naming_the_option_and_the_address
     ]
     try:
         done = subprocess.run(
-            twistd_command()
-            + [
-                "-n",
-                "--pidfile=",
-                "ztunnel",
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--config",
-                str(mesh),
-                *listeners,
-            ],
+            ztunnel_command(tmp_path, mesh, *listeners),
             cwd=tmp_path,
             capture_output=True,
             text=True,

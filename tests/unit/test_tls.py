@@ -457,11 +457,9 @@ def test_unexpected_server_fails_over_loopback_tcp(server_cert, client_cert):
         yield tcp_cleanup(port, client, servers)
 
 
-@pytest_twisted.inlineCallbacks
-def test_tls_factory_sends_the_records_of_one_write_together(server_cert, client_cert):
-    """64 KiB is four TLS records: handed to TCP as one write, sent at once, arriving whole."""
-    from twisted.internet import reactor
-
+@defer.inlineCallbacks
+def _tls_factory_client(reactor, server_cert, client_cert):
+    """A plain TLS server on loopback and a client connected to it through :func:`tls_factory`."""
     servers: list[Peer] = []
     server_factory = TLSMemoryBIOFactory(
         server_for(server_cert), False, Factory.forProtocol(lambda: servers.append(Peer()) or servers[-1])
@@ -469,6 +467,15 @@ def test_tls_factory_sends_the_records_of_one_write_together(server_cert, client
     port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
     endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
     client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer)))
+    return port, servers, client_tls
+
+
+@pytest_twisted.inlineCallbacks
+def test_tls_factory_sends_the_records_of_one_write_together(server_cert, client_cert):
+    """64 KiB is four TLS records: handed to TCP as one write, sent at once, arriving whole."""
+    from twisted.internet import reactor
+
+    port, servers, client_tls = yield _tls_factory_client(reactor, server_cert, client_cert)
     client = client_tls.wrappedProtocol
     try:
         assert (yield within(client.handshake, reactor))
@@ -495,13 +502,7 @@ def test_tls_factory_abort_sends_no_close_notify(server_cert, client_cert):
     """Writes go out at once, but an abort still ends without close_notify: nothing reaches TCP."""
     from twisted.internet import reactor
 
-    servers: list[Peer] = []
-    server_factory = TLSMemoryBIOFactory(
-        server_for(server_cert), False, Factory.forProtocol(lambda: servers.append(Peer()) or servers[-1])
-    )
-    port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
-    endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
-    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer)))
+    port, servers, client_tls = yield _tls_factory_client(reactor, server_cert, client_cert)
     client = client_tls.wrappedProtocol
     try:
         assert (yield within(client.handshake, reactor))

@@ -334,18 +334,17 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
+# The ztunnel paths: their proxies run in network namespaces (veth pairs through a router
+# namespace), so ztwisted-netns, when it ran, is the ztwisted they are compared with; and their
+# client enters through a SOCKS5 handshake, as ztwisted's does.
+ZTUNNEL_PATHS = ("ztunnel", "ztunnel-default-workers")
 # ztwisted is compared with each of these that ran.
-BASELINES = ("envoy", "ztunnel", "ztunnel-default-workers", "stunnel", "direct")
-# Paths whose proxies run in network namespaces (veth pairs through a router namespace):
-# ztwisted-netns, when it ran, is the ztwisted they are compared with.
-NAMESPACED = ("ztunnel", "ztunnel-default-workers")
-# Paths whose client enters through a SOCKS5 handshake, as ztwisted's does.
-SOCKS5 = ("ztunnel", "ztunnel-default-workers")
+BASELINES = ("envoy", *ZTUNNEL_PATHS, "stunnel", "direct")
 
 
 def ztwisted_for(baseline: str, medians: dict[str, dict]) -> str | None:
     """The ztwisted path compared with ``baseline``: the one in the same network setup when it ran."""
-    if baseline in NAMESPACED and "ztwisted-netns" in medians:
+    if baseline in ZTUNNEL_PATHS and "ztwisted-netns" in medians:
         return "ztwisted-netns"
     if "ztwisted" in medians:
         return "ztwisted"
@@ -360,7 +359,7 @@ def table(medians: dict[str, dict], names: list[str]) -> str:
     for key, label, unit, _higher in METRICS:
         row = [f"{label} ({unit})"] + [_fmt(medians[n].get(key)) for n in names]
         for z, baseline in pairs:
-            if key == "connect_p50_us" and baseline not in SOCKS5:
+            if key == "connect_p50_us" and baseline not in ZTUNNEL_PATHS:
                 row.append("-")  # not comparable: this baseline's client does no SOCKS5 handshake
             else:
                 row.append(_ratio(medians[z].get(key), medians[baseline].get(key)))
@@ -563,20 +562,28 @@ PATH_NAMES = (
 )
 DEFAULT_PATHS = ("direct", "stunnel", "envoy", "ztwisted")
 ZTUNNEL_DEFAULT_PATHS = ("ztunnel", "ztwisted-netns")
-NEEDS_NAMESPACES = ("ztunnel", "ztunnel-default-workers", "ztwisted-netns")
+NEEDS_NAMESPACES = (*ZTUNNEL_PATHS, "ztwisted-netns")
 
 
-def ztunnel_for_namespaced_paths() -> ZtunnelInstall:
-    """The ztunnel build; :class:`ZtunnelMissing` (says how to build it) or PermissionError (not root)."""
+def check_namespaced_paths(names) -> ZtunnelInstall | None:
+    """What the namespaced paths among ``names`` need: root, and the ztunnel build for a ztunnel path.
+
+    The build (``None`` when no ztunnel path is asked for); :class:`ZtunnelMissing`
+    (its message says how to build it) or PermissionError.
+    """
+    if not any(n in NEEDS_NAMESPACES for n in names):
+        return None
     if os.geteuid() != 0:
         raise PermissionError("needs root (each proxy runs in a network namespace of its own)")
-    return find_ztunnel()
+    return find_ztunnel() if any(n in ZTUNNEL_PATHS for n in names) else None
 
 
 def ztunnel_or_none() -> ZtunnelInstall | None:
+    """The ztunnel build when the default set can have the ztunnel paths; else None, and says why."""
     try:
-        return ztunnel_for_namespaced_paths()
-    except (ZtunnelMissing, PermissionError):
+        return check_namespaced_paths(ZTUNNEL_DEFAULT_PATHS)
+    except (ZtunnelMissing, PermissionError) as e:
+        print(f"without {', '.join(ZTUNNEL_DEFAULT_PATHS)}: {e}", file=sys.stderr)
         return None
 
 
@@ -622,12 +629,10 @@ def main() -> int:
         unknown = sorted(set(asked) - set(PATH_NAMES))
         if unknown:
             parser.error(f"unknown path(s) {', '.join(unknown)}; choose from {', '.join(PATH_NAMES)}")
-        install = None
-        if any(n in NEEDS_NAMESPACES for n in asked):
-            try:
-                install = ztunnel_for_namespaced_paths()
-            except (ZtunnelMissing, PermissionError) as e:
-                parser.error(f"--paths {','.join(n for n in asked if n in NEEDS_NAMESPACES)}: {e}")
+        try:
+            install = check_namespaced_paths(asked)
+        except (ZtunnelMissing, PermissionError) as e:
+            parser.error(f"--paths {','.join(n for n in asked if n in NEEDS_NAMESPACES)}: {e}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ztwisted-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     addresses = Addresses(args.net)

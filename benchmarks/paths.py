@@ -9,11 +9,18 @@ Every address is in 127.<net>.0.0/16 (net 41 by default):
   on 127.<net>.7.1:15008 (admin ports on the same addresses, :15000);
 - ztwisted: node-a's control IP 127.<net>.2.254 (SOCKS5 :15080), node-b's
   127.<net>.3.254; HBONE :15008 on each workload IP.
+
+ztunnel binds 15001/15006/15008 on the wildcard address, so its paths
+(:class:`NamespacedPair`) run each proxy in a network namespace of its own,
+joined to a router namespace by veth pairs: the client workload at
+10.<net>.2.<i> in node A's namespace, the echo workload at 10.<net>.3.<i> in
+node B's (where the pair's own echo and sink apps run).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -26,7 +33,10 @@ from pathlib import Path
 
 from ztwisted.ca import CertificateAuthority
 from ztwisted.identity import SpiffeId
+from ztwisted.netns import call_in_netns
 from ztwisted.tools.harness import NodeProcess
+from ztwisted.tools.lab.netns import Namespaces
+from ztwisted.tools.lab.ztunnel_peer import ZtunnelInstall, ZtunnelPeer
 
 ECHO_PORT = 8080
 SINK_PORT = 8081
@@ -106,6 +116,12 @@ class BenchPath:
     description = ""
     echo: dict
     sink: dict
+    # The path's own echo/sink apps (in its namespace); None: the shared ones on the host.
+    apps: Apps | None = None
+
+    def call(self, function):
+        """Run ``function`` (a measurement) where the client app of this path lives; its result."""
+        return function()
 
     def start(self) -> None:
         pass
@@ -224,6 +240,7 @@ class Stunnel(BenchPath):
         return {f"stunnel-{role}": p.pid for role, p in self.processes.items()}
 
 
+# The local config of both nodes: ztwisted's --config, and ztunnel's LOCAL_XDS_PATH.
 MESH = textwrap.dedent(
     """\
     workloads:
@@ -231,16 +248,20 @@ MESH = textwrap.dedent(
       name: client
       namespace: default
       serviceAccount: client
+      trustDomain: cluster.local
       workloadIps: ["{client}"]
       protocol: HBONE
       node: node-a
+      services: {{}}
     - uid: cluster1//v1/Pod/default/echo
       name: echo
       namespace: default
       serviceAccount: echo
+      trustDomain: cluster.local
       workloadIps: ["{app}"]
       protocol: HBONE
       node: node-b
+      services: {{}}
     """
 )
 
@@ -541,3 +562,131 @@ class Envoy(BenchPath):
 
     def pids(self) -> dict[str, int]:
         return {f"envoy-{role}": p.pid for role, p in self.processes.items()}
+
+
+def default_worker_threads() -> int:
+    """ztunnel's worker count with no ZTUNNEL_WORKER_THREADS and no CPU limit (its src/config.rs)."""
+    return max(math.ceil((os.cpu_count() or 1) * 0.25), 2)
+
+
+class NamespaceAddresses:
+    """Pair ``i``'s workload addresses; ``app`` is where the apps listen (all of node B's addresses)."""
+
+    def __init__(self, net: int, i: int):
+        self.client = f"10.{net}.2.{i}"
+        self.echo = f"10.{net}.3.{i}"
+        self.app = "0.0.0.0"
+        self.node_a = f"127.{net}.2.254"
+        self.node_b = f"127.{net}.3.254"
+
+
+class NamespacedPair(BenchPath):
+    """Node A (``ztunnel`` or ``ztwisted``) -> HBONE -> node B, each in a network namespace of its own.
+
+    ztunnel binds 15001/15006/15008 on the wildcard address and its admin and
+    SOCKS5 ports on localhost, so every ztunnel needs a namespace of its own.
+    The ``namespaces`` (shared by every pair of a run; its router is made by
+    the first pair that starts) join node A's and node B's namespaces by veth
+    pairs to a router namespace. Node A's namespace holds the ``client``
+    workload's address; the client runs on a thread that entered it (see
+    :meth:`call`: the short-connection worker processes start from that
+    thread, so they are in it too) and uses node A's SOCKS5 port, asking for
+    the ``echo`` workload's address: ztunnel's ``127.0.0.1:15080``
+    (``UNSTABLE_ENABLE_SOCKS5``), ztwisted's on its control IP. Node B's
+    namespace holds the ``echo`` address and the pair's own apps, listening
+    on all its addresses (ztunnel's inbound connects to the app on
+    localhost, ztwisted's on the workload address).
+
+    ``workers`` sets ``ZTUNNEL_WORKER_THREADS`` for every ztunnel of the pair
+    (``None``: ztunnel's default). ``install`` is the ztunnel build, needed
+    when either node is ztunnel.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        a: str,
+        b: str,
+        workers: int | None,
+        *,
+        net: int,
+        namespaces: Namespaces,
+        workdir: Path,
+        state_dir: Path,
+        install: ZtunnelInstall | None = None,
+        name: str | None = None,
+    ):
+        self.a, self.b, self.workers = a, b, workers
+        suffix = "" if workers is None or "ztunnel" not in (a, b) else f" ({workers} worker{'s' * (workers > 1)})"
+        self.name = name or f"{a}-{b}{'-1w' if workers == 1 else ''}"
+        self.description = f"client -> SOCKS5 {a} -> HBONE -> {b} -> echo{suffix}, in network namespaces"
+        self.addresses = NamespaceAddresses(net, index)
+        self.namespaces = namespaces
+        self.ns_a, self.ns_b = f"p{index}a", f"p{index}b"
+        self.workdir = workdir / self.name
+        self.state_dir = state_dir
+        self.install = install
+        socks5 = ["127.0.0.1", 15080] if a == "ztunnel" else [self.addresses.node_a, 15080]
+        self.echo = {"connect": [self.addresses.echo, ECHO_PORT], "source_ip": self.addresses.client, "socks5": socks5}
+        self.sink = {"connect": [self.addresses.echo, SINK_PORT], "source_ip": self.addresses.client, "socks5": socks5}
+        self.proxies: dict[str, ZtunnelPeer | NodeProcess] = {}
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.namespaces.router not in self.namespaces.made:
+            self.namespaces.add_router()
+        self.namespaces.add_pod(self.ns_a, self.addresses.client)
+        self.namespaces.add_pod(self.ns_b, self.addresses.echo)
+        mesh = self.workdir / "mesh.yaml"
+        mesh.write_text(MESH.format(client=self.addresses.client, app=self.addresses.echo))
+        self.apps = call_in_netns(self.namespaces.path(self.ns_b), lambda: _started(Apps(self.addresses)))
+        for role, kind, ns, workload, control_ip in (
+            ("node-b", self.b, self.ns_b, "default/echo/echo", self.addresses.node_b),
+            ("node-a", self.a, self.ns_a, "default/client/client", self.addresses.node_a),
+        ):
+            if kind == "ztunnel":
+                # ZtunnelPeer sets ENABLE_ORIG_SRC=false: as root, ztunnel would otherwise connect to
+                # the app from the client's address, whose answers would leave for the router.
+                env = {} if self.workers is None else {"ZTUNNEL_WORKER_THREADS": str(self.workers)}
+                proxy = ZtunnelPeer(
+                    role,
+                    netns=self.namespaces.name(ns),
+                    config=mesh,
+                    workdir=self.workdir,
+                    workload=workload,
+                    install=self.install,
+                    env=env,
+                )
+            else:
+                proxy = NodeProcess(
+                    self.workdir / role,
+                    name=role,
+                    control_ip=control_ip,
+                    config=mesh,
+                    node=role,
+                    state_dir=self.state_dir,
+                    netns=self.namespaces.name(ns),
+                )
+            self.proxies[role] = proxy
+            proxy.start()
+
+    def stop(self) -> None:
+        for proxy in reversed(list(self.proxies.values())):
+            try:
+                proxy.stop()
+            except RuntimeError:
+                proxy.kill()
+        if self.apps is not None:
+            self.apps.stop()
+
+    def pids(self) -> dict[str, int]:
+        return {f"{role}-{self.a if role == 'node-a' else self.b}": p.process.pid for role, p in self.proxies.items()}
+
+    def call(self, function, timeout: float = 900.0):
+        """Run ``function`` in node A's namespace, where the client app lives (its worker processes too)."""
+        return call_in_netns(self.namespaces.path(self.ns_a), function, timeout=timeout)
+
+
+def _started(apps: Apps) -> Apps:
+    apps.start()
+    return apps

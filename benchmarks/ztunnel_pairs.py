@@ -3,21 +3,11 @@
     python benchmarks/ztunnel_pairs.py [--quick] [--runs N] [--out FILE] [--json FILE] [--net N]
 
 As root (network namespaces). Each pair is a client node A and a server
-node B, each proxy in a network namespace of its own (ztunnel binds 15001,
-15006 and 15008 on the wildcard address, its admin and SOCKS5 ports on
-localhost), joined by veth pairs to a router namespace:
-
-- node A's namespace holds the ``client`` workload's address 10.<net>.2.<i>;
-  the client app (``load.py``, the same clients as ``run.py``) runs there on
-  a thread that entered it, and reaches node A through its SOCKS5 port
-  (ztunnel: ``127.0.0.1:15080``, ``UNSTABLE_ENABLE_SOCKS5``; ztwisted: its
-  control IP ``127.<net>.2.254:15080``), asking for the echo workload's
-  address; the short-connection worker processes start from that thread and
-  so are in the namespace too;
-- node B's namespace holds the ``echo`` workload's address 10.<net>.3.<i>
-  and the echo and sink apps (``apps.py``, listening on all of its
-  addresses: ztunnel's inbound connects to the app on localhost, ztwisted's
-  on the workload address).
+node B, each proxy in a network namespace of its own, joined by veth pairs
+to a router namespace; the client app (``load.py``, the same clients as
+``run.py``) runs in node A's namespace and enters through node A's SOCKS5
+port, the echo and sink apps run in node B's (``paths.NamespacedPair``, which
+``run.py``'s ``ztunnel`` path uses too).
 
 ztunnel runs in dedicated mode (one workload per instance, as its
 ``Development.md`` runs it without a cluster), with ``FAKE_CA=true``; the
@@ -37,156 +27,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import shutil
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
-from paths import ECHO_PORT, SINK_PORT, Apps, BenchPath
+from paths import NamespacedPair, default_worker_threads
 from run import FULL, METRICS, QUICK, _fmt, _median, machine, measure, warm_up
 
-from ztwisted.netns import call_in_netns
-from ztwisted.tools.harness import NodeProcess
 from ztwisted.tools.lab.netns import Namespaces
-from ztwisted.tools.lab.ztunnel_peer import ZtunnelPeer, find_ztunnel, write_plugin_ca
+from ztwisted.tools.lab.ztunnel_peer import find_ztunnel, write_plugin_ca
 
-MESH = textwrap.dedent(
-    """\
-    workloads:
-    - uid: cluster1//v1/Pod/default/client
-      name: client
-      namespace: default
-      serviceAccount: client
-      trustDomain: cluster.local
-      workloadIps: ["{client}"]
-      protocol: HBONE
-      node: node-a
-      services: {{}}
-    - uid: cluster1//v1/Pod/default/echo
-      name: echo
-      namespace: default
-      serviceAccount: echo
-      trustDomain: cluster.local
-      workloadIps: ["{app}"]
-      protocol: HBONE
-      node: node-b
-      services: {{}}
-    """
-)
 ANCHOR = "ztunnel-ztunnel"
-
-
-def default_worker_threads() -> int:
-    """ztunnel's worker count with no ZTUNNEL_WORKER_THREADS and no CPU limit (its src/config.rs)."""
-    return max(math.ceil((os.cpu_count() or 1) * 0.25), 2)
-
-
-class PairAddresses:
-    """Run ``i``'s workload addresses; ``app`` is where the apps listen (all of node B's addresses)."""
-
-    def __init__(self, net: int, i: int):
-        self.client = f"10.{net}.2.{i}"
-        self.echo = f"10.{net}.3.{i}"
-        self.app = "0.0.0.0"
-        self.node_a = f"127.{net}.2.254"
-        self.node_b = f"127.{net}.3.254"
-
-
-class Pair(BenchPath):
-    """Node A (``ztunnel`` or ``ztwisted``) -> HBONE -> node B, each in its own namespace."""
-
-    def __init__(
-        self,
-        index: int,
-        a: str,
-        b: str,
-        workers: int | None,
-        *,
-        net: int,
-        namespaces: Namespaces,
-        workdir: Path,
-        state_dir: Path,
-        install,
-    ):
-        self.a, self.b, self.workers = a, b, workers
-        suffix = "" if workers is None or "ztunnel" not in (a, b) else f" ({workers} worker{'s' * (workers > 1)})"
-        self.name = f"{a}-{b}{'-1w' if workers == 1 else ''}"
-        self.description = f"client -> SOCKS5 {a} -> HBONE -> {b} -> echo{suffix}"
-        self.addresses = PairAddresses(net, index)
-        self.namespaces = namespaces
-        self.ns_a, self.ns_b = f"p{index}a", f"p{index}b"
-        self.workdir = workdir / self.name
-        self.state_dir = state_dir
-        self.install = install
-        socks5 = ["127.0.0.1", 15080] if a == "ztunnel" else [self.addresses.node_a, 15080]
-        self.echo = {"connect": [self.addresses.echo, ECHO_PORT], "source_ip": self.addresses.client, "socks5": socks5}
-        self.sink = {"connect": [self.addresses.echo, SINK_PORT], "source_ip": self.addresses.client, "socks5": socks5}
-        self.proxies: dict[str, object] = {}
-        self.apps: Apps | None = None
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.namespaces.add_pod(self.ns_a, self.addresses.client)
-        self.namespaces.add_pod(self.ns_b, self.addresses.echo)
-        mesh = self.workdir / "mesh.yaml"
-        mesh.write_text(MESH.format(client=self.addresses.client, app=self.addresses.echo))
-        self.apps = call_in_netns(self.namespaces.path(self.ns_b), lambda: _started(Apps(self.addresses)))
-        for role, kind, ns, workload, control_ip in (
-            ("node-b", self.b, self.ns_b, "default/echo/echo", self.addresses.node_b),
-            ("node-a", self.a, self.ns_a, "default/client/client", self.addresses.node_a),
-        ):
-            if kind == "ztunnel":
-                # Without ENABLE_ORIG_SRC=false, ztunnel (as root) connects to the app from the client's
-                # address, whose answers would leave for the router: a node needs istio-cni's rules for that.
-                env = {"ENABLE_ORIG_SRC": "false"}
-                if self.workers:
-                    env["ZTUNNEL_WORKER_THREADS"] = str(self.workers)
-                proxy = ZtunnelPeer(
-                    role,
-                    netns=self.namespaces.name(ns),
-                    config=mesh,
-                    workdir=self.workdir,
-                    workload=workload,
-                    install=self.install,
-                    env=env,
-                )
-            else:
-                proxy = NodeProcess(
-                    self.workdir / role,
-                    name=role,
-                    control_ip=control_ip,
-                    config=mesh,
-                    node=role,
-                    state_dir=self.state_dir,
-                    netns=self.namespaces.name(ns),
-                )
-            self.proxies[role] = proxy
-            proxy.start()
-
-    def stop(self) -> None:
-        for proxy in reversed(list(self.proxies.values())):
-            try:
-                proxy.stop()
-            except RuntimeError:
-                proxy.kill()
-        if self.apps is not None:
-            self.apps.stop()
-
-    def pids(self) -> dict[str, int]:
-        return {f"{role}-{self.a if role == 'node-a' else self.b}": p.process.pid for role, p in self.proxies.items()}
-
-    def in_client_namespace(self, function, timeout: float = 900.0):
-        """Run ``function`` where the client app lives (its worker processes start there too)."""
-        return call_in_netns(self.namespaces.path(self.ns_a), function, timeout=timeout)
-
-
-def _started(apps: Apps) -> Apps:
-    apps.start()
-    return apps
 
 
 def ratio(value: float | None, anchor: float | None) -> str:
@@ -238,7 +92,7 @@ def main() -> int:
             parser.error(f"unknown pair {name!r}")
         workers = 1 if name.endswith("-1w") else (default_worker_threads() if "ztunnel" in (a, b) else None)
         pairs.append(
-            Pair(
+            NamespacedPair(
                 index,
                 a,
                 b,
@@ -254,16 +108,15 @@ def main() -> int:
     began = time.monotonic()
     started = []
     try:
-        namespaces.add_router()
         for pair in pairs:
             pair.start()
             started.append(pair)
-            pair.in_client_namespace(lambda pair=pair: warm_up(pair))
+            pair.call(lambda pair=pair: warm_up(pair))
         # Interleaved, so that drift and the neighbours' load hit every pair alike.
         for run in range(settings["runs"]):
             for pair in pairs:
                 t0 = time.monotonic()
-                result = pair.in_client_namespace(lambda pair=pair: measure(pair, settings, pair.apps))
+                result = pair.call(lambda pair=pair: measure(pair, settings, pair.apps))
                 runs[pair.name].append(result)
                 print(
                     f"run {run + 1} {pair.name:22s} {time.monotonic() - t0:5.1f} s  "
@@ -275,7 +128,7 @@ def main() -> int:
             pair.stop()
         namespaces.destroy()
     elapsed = time.monotonic() - began
-    medians = {n: {k: _median(r[k] for r in runs[n]) for k, *_ in METRICS} for n in runs}
+    medians = {n: {k: _median(r.get(k) for r in runs[n]) for k, *_ in METRICS} for n in runs}
     info = machine()
     others = {n: _median(max(phase["others"] for phase in r["cpu_cores"].values()) for r in runs[n]) for n in runs}
     report = [

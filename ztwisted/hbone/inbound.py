@@ -269,26 +269,46 @@ class _PlaintextInbound(TCPEnd):
     def connectionMade(self) -> None:
         self.inbound.connections.add(self)
         self.transport.pauseProducing()
-        context, workload = self.inbound.context, self.inbound.workload
+        destination = self._destination()
+        if destination is None:
+            self.transport.loseConnection()
+            return
+        ip, port = destination
+        record = self._record(ip, port)
+        refusal = self._refusal(ip, port)
+        if refusal is not None:
+            record.refused(*refusal)
+            self.transport.loseConnection()
+            return
+        self._connect_upstream(record, ip, port)
+        super().connectionMade()
+
+    def _destination(self) -> tuple[str, int] | None:
+        """Where iptables sent this connection, if it is for this workload (else logged, None)."""
+        workload = self.inbound.workload
         destination = original_destination(self.transport)
         local = self.transport.getHost()
-        peer = self.transport.getPeer()
         if destination is None or destination == (local.host, local.port):
+            peer = self.transport.getPeer()
             log.warn(
                 "plaintext inbound connection from {peer} to {workload} was not redirected: no original destination",
                 peer=f"{peer.host}:{peer.port}",
                 workload=workload.name,
             )
-            self.transport.loseConnection()
-            return
-        ip, port = destination
+            return None
+        ip, _port = destination
         if not serves_address(workload, self.inbound.network, ip, local.host):
             log.warn("plaintext inbound to {ip}: not workload {workload}", ip=ip, workload=workload.name)
-            self.transport.loseConnection()
-            return
-        record = ConnectionRecord(
-            context.metrics,
-            context.reactor,
+            return None
+        return destination
+
+    def _record(self, ip: str, port: int) -> ConnectionRecord:
+        """The metrics and access-log record of this connection, whatever becomes of it."""
+        workload = self.inbound.workload
+        peer = self.transport.getPeer()
+        return ConnectionRecord(
+            self.inbound.context.metrics,
+            self.inbound.context.reactor,
             ConnectionLabels.for_connection(
                 "destination", destination=workload, destination_identity=workload.identity
             ),
@@ -299,24 +319,27 @@ class _PlaintextInbound(TCPEnd):
                 "dst.workload": workload.name,
             },
         )
+
+    def _refusal(self, ip: str, port: int) -> tuple[str, str] | None:
+        """Why this connection is refused, as (response flags, reason), or None to forward it."""
+        context = self.inbound.context
         if port in illegal_ports(context.settings):
-            record.refused("-", SELF_CALL.format(port=port))
-            self.transport.loseConnection()
-            return
+            return "-", SELF_CALL.format(port=port)
         # Istio's semantics for traffic from outside the mesh: no peer identity, so only
         # rules that need none (source IPs, ports, ...) can match it.
         decision = authorize(
             context.mesh.policies,
             source=None,
-            source_ip=ipaddress.ip_address(peer.host),
-            destination=workload,
+            source_ip=ipaddress.ip_address(self.transport.getPeer().host),
+            destination=self.inbound.workload,
             destination_ip=ipaddress.ip_address(ip),
             destination_port=port,
         )
         if not decision.allowed:
-            record.refused("DENY", _denial(decision))
-            self.transport.loseConnection()
-            return
+            return "DENY", _denial(decision)
+        return None
+
+    def _connect_upstream(self, record: ConnectionRecord, ip: str, port: int) -> None:
         upstream = TCPEnd()
 
         def connected(_):
@@ -327,7 +350,7 @@ class _PlaintextInbound(TCPEnd):
             record.refused("CONNECT", failure.getErrorMessage())
             self.abort()
 
-        self.inbound.network.connect(ip, port, factory_for(upstream), timeout=context.connect_timeout).addCallbacks(
-            connected, failed
+        connecting = self.inbound.network.connect(
+            ip, port, factory_for(upstream), timeout=self.inbound.context.connect_timeout
         )
-        super().connectionMade()
+        connecting.addCallbacks(connected, failed)

@@ -216,7 +216,6 @@ OVER_SIZE = {
     "tools/lab/scenario.py:_run",
     "tools/control_plane.py:main",
     "config.py:_Reader",
-    "inpod/client.py:ZdsClient",
     "tools/control_plane.py:__call__",
     "tools/lab/netns.py:start",
     "tools/lab/runner.py:run_lab",

@@ -215,7 +215,6 @@ OVER_SIZE = {
     "tools/lab/measures.py:measure",
     "tools/lab/scenario.py:_run",
     "tools/control_plane.py:main",
-    "config.py:_Reader",
     "tools/control_plane.py:__call__",
     "tools/lab/netns.py:start",
     "tools/lab/runner.py:run_lab",

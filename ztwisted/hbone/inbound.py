@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
+import attrs
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
@@ -13,7 +14,8 @@ from ztwisted.context import NodeSettings, ProxyContext
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
-from ztwisted.network import HostNetwork
+from ztwisted.model import Workload
+from ztwisted.network import HostNetwork, PodNetwork
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ServerTLS, peer_identity, tls_factory
@@ -111,17 +113,21 @@ def serves_address(workload, network, ip: str, arrived_at: str) -> bool:
     return not isinstance(network, HostNetwork) and address == ipaddress.ip_address(arrived_at)
 
 
+@attrs.define(eq=False)
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
-    def __init__(self, context: ProxyContext, workload, network):
-        self.context = context
-        self.workload = workload
-        self.network = network
-        self.connections: set[HBONEConnection] = set()
+    context: ProxyContext
+    workload: Workload
+    network: HostNetwork | PodNetwork
+    connections: set[HBONEConnection] = attrs.field(init=False, factory=set)
+    _tls: ServerTLS = attrs.field(init=False)
+
+    @_tls.default
+    def _server_tls(self) -> ServerTLS:
         # The workload may be updated by discovery (in-pod mode); new connections take its identity then.
-        self._tls = ServerTLS(
-            lambda: context.certificates.get(self.workload.identity), trust_domain=workload.trust_domain
+        return ServerTLS(
+            lambda: self.context.certificates.get(self.workload.identity), trust_domain=self.workload.trust_domain
         )
 
     def factory(self) -> TLSMemoryBIOFactory:

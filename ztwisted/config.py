@@ -864,6 +864,13 @@ class _CrossChecks:
 # --- reloading --------------------------------------------------------------
 
 
+def _reactor_or_global(reactor: Any) -> Any:
+    if reactor is None:
+        from twisted.internet import reactor
+    return reactor
+
+
+@attrs.define(eq=False)
 class ConfigWatcher:
     """Reload a config file when it changes on disk.
 
@@ -890,33 +897,31 @@ class ConfigWatcher:
     _WRITTEN = inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO
     _MASK = _WRITING | _WRITTEN
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        on_change: Callable[[Mesh], Any],
-        on_error: Callable[[ConfigError], Any],
-        reactor: Any = None,
-        *,
-        current: Mesh | None = None,
-        delay: float = 0.1,
-        writer_timeout: float = 2.0,
-        empty_grace: float = 1.0,
-    ) -> None:
-        if reactor is None:
-            from twisted.internet import reactor
-        self.path = os.fspath(path)
-        self.on_change = on_change
-        self.on_error = on_error
-        self.current = current
-        self.delay = delay
-        self.writer_timeout = writer_timeout
-        self.empty_grace = empty_grace
-        self._reactor = reactor
-        self._file = FilePath(os.path.abspath(self.path))
-        self._name = os.fsencode(self._file.basename())
-        self._notifier: inotify.INotify | None = None
-        self._pending: Any = None
-        self._empty_seen = False
+    path: str = attrs.field(converter=os.fspath)
+    on_change: Callable[[Mesh], Any]
+    on_error: Callable[[ConfigError], Any]
+    _reactor: Any = attrs.field(default=None, converter=_reactor_or_global)
+    #: the last good mesh
+    current: Mesh | None = attrs.field(default=None, kw_only=True)
+    delay: float = attrs.field(default=0.1, kw_only=True)
+    writer_timeout: float = attrs.field(default=2.0, kw_only=True)
+    empty_grace: float = attrs.field(default=1.0, kw_only=True)
+    _file: FilePath = attrs.field(init=False)
+    #: the file's name in its directory, as inotify reports it
+    _name: bytes = attrs.field(init=False)
+    _notifier: inotify.INotify | None = attrs.field(init=False, default=None)
+    #: the read that is due (an IDelayedCall)
+    _pending: Any = attrs.field(init=False, default=None)
+    #: the last read found no YAML document (a writer may be between truncating and writing)
+    _empty_seen: bool = attrs.field(init=False, default=False)
+
+    @_file.default
+    def _absolute_file(self) -> FilePath:
+        return FilePath(os.path.abspath(self.path))
+
+    @_name.default
+    def _file_name(self) -> bytes:
+        return os.fsencode(self._file.basename())
 
     def start(self) -> None:
         if self._notifier is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import attr
 import attrs
 from twisted.internet import defer
 from twisted.logger import Logger
@@ -47,7 +46,7 @@ def pod_workload(uid: str, workload_info, mesh, node_name: str | None) -> Worklo
             protocol="HBONE",
             node=node_name or "",
         )
-    return attr.evolve(
+    return attrs.evolve(
         discovered,
         uid=uid,
         name=workload_info.name or discovered.name,

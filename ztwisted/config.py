@@ -760,6 +760,7 @@ class _Reader(_WorkloadReader, _ServiceReader, _PolicyReader):
         return Mesh(*_CrossChecks(self.warning, self._derived_uids)(workloads, services, policies))
 
 
+@attrs.define(eq=False)
 class _CrossChecks:
     """Checks across entries, run once every entry is valid by itself.
 
@@ -769,9 +770,9 @@ class _CrossChecks:
     ``Mesh``); references to what the file lacks have no effect.
     """
 
-    def __init__(self, warning: Callable[[str, str], None], derived_uids: set[int]) -> None:
-        self.warning = warning
-        self._derived_uids = derived_uids
+    warning: Callable[[str, str], None]
+    #: id() of the workloads whose uid was made up (their duplicates say so)
+    _derived_uids: set[int]
 
     def __call__(
         self, workloads: tuple[Workload, ...], services: tuple[Service, ...], policies: tuple[Policy, ...]

@@ -114,16 +114,16 @@ def event_as_flat_dict(event: dict[str, Any]) -> dict[str, Any]:
 @implementer(ILogObserver)
 @attrs.define(eq=False)
 class _FileObserver:
-    """Writes each event as ``render`` makes it (nothing for an empty text) to ``out``, flushed."""
+    """Writes each event as ``render`` makes it (nothing for an empty text) to ``out_file``, flushed."""
 
-    _out: IO[str]
+    _out_file: IO[str]
     _render: Callable[[dict[str, Any]], str | None]
 
     def __call__(self, event: dict[str, Any]) -> None:
         text = self._render(event)
         if text:
-            self._out.write(text)
-            flush = getattr(self._out, "flush", None)
+            self._out_file.write(text)
+            flush = getattr(self._out_file, "flush", None)
             if flush is not None:
                 flush()
 

@@ -42,6 +42,27 @@ def control_plane(tmp_path, network):  # noqa: F811
     plane.stop()
 
 
+def xds_node(tmp_path, number: int, control_plane, *extra_args: str) -> InpodNode:
+    """An in-pod node with neither a config file nor a CA of its own: discovery and certificates
+    come from ``control_plane``."""
+    return InpodNode(
+        tmp_path,
+        number,
+        NET,
+        config=None,
+        state_dir=tmp_path / f"state-{number}",
+        extra_args=(
+            "--xds-address",
+            control_plane.address,
+            "--xds-root-ca",
+            str(control_plane.root_cert),
+            "--ca-root-ca",
+            str(control_plane.root_cert),
+            *extra_args,
+        ),
+    )
+
+
 def test_pods_added_by_the_node_agent_are_served_with_workloads_and_certificates_from_the_control_plane(
     tmp_path,
     network,  # noqa: F811
@@ -51,21 +72,7 @@ def test_pods_added_by_the_node_agent_are_served_with_workloads_and_certificates
     started = []
     try:
         for number in (1, 2):
-            node = InpodNode(
-                tmp_path,
-                number,
-                NET,
-                config=None,
-                state_dir=tmp_path / f"state-{number}",
-                extra_args=(
-                    "--xds-address",
-                    control_plane.address,
-                    "--xds-root-ca",
-                    str(control_plane.root_cert),
-                    "--ca-root-ca",
-                    str(control_plane.root_cert),
-                ),
-            )
+            node = xds_node(tmp_path, number, control_plane)
             started.append(node)
             node.start()
         node1, node2 = started
@@ -91,24 +98,8 @@ def test_a_removed_pods_certificate_from_the_control_plane_stops_renewing_and_le
 ):
     pod_b = network.pods["b"]
     identity = "spiffe://cluster.local/ns/default/sa/pod-b"
-    node = InpodNode(
-        tmp_path,
-        2,
-        NET,
-        config=None,
-        state_dir=tmp_path / "state-2",
-        extra_args=(
-            "--xds-address",
-            control_plane.address,
-            "--xds-root-ca",
-            str(control_plane.root_cert),
-            "--ca-root-ca",
-            str(control_plane.root_cert),
-            # Renewed at half-life: every 2 s, so that a renewal that goes on would show.
-            "--secret-ttl",
-            "4s",
-        ),
-    )
+    # Renewed at half-life: every 2 s, so that a renewal that goes on would show.
+    node = xds_node(tmp_path, 2, control_plane, "--secret-ttl", "4s")
 
     def signed_for_b() -> int:
         return sum(identity in entry["sans"] for entry in control_plane.state()["signed"])

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import attr
+import attrs
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
@@ -74,19 +74,19 @@ def _serial_of(issued: IssuedCertificate) -> int:
     return x509.load_pem_x509_certificate(issued.cert_pem).serial_number
 
 
-@attr.s(frozen=True, slots=True)
+@attrs.frozen(order=True)
 class IssuedCertificate:
     """A workload certificate with its key, issuing chain and trust roots (all PEM)."""
 
-    identity: SpiffeId = attr.ib()
-    key_pem: bytes = attr.ib(repr=False)
-    cert_pem: bytes = attr.ib(repr=False)
+    identity: SpiffeId
+    key_pem: bytes = attrs.field(repr=False)
+    cert_pem: bytes = attrs.field(repr=False)
     # Issuing chain without the leaf: ca-cert.pem, then up to the root.
-    chain_pem: bytes = attr.ib(repr=False)
-    not_before: datetime = attr.ib()
-    not_after: datetime = attr.ib()
-    roots_pem: bytes = attr.ib(repr=False)
-    serial: int = attr.ib(default=attr.Factory(_serial_of, takes_self=True), eq=False)
+    chain_pem: bytes = attrs.field(repr=False)
+    not_before: datetime
+    not_after: datetime
+    roots_pem: bytes = attrs.field(repr=False)
+    serial: int = attrs.field(default=attrs.Factory(_serial_of, takes_self=True), eq=False)
 
     def certificate(self) -> x509.Certificate:
         return x509.load_pem_x509_certificate(self.cert_pem)

@@ -416,17 +416,20 @@ def _service_account(value: Any) -> ServiceAccountMatch:
 @attrs.frozen
 class _Field:
     attr: str | None  # None: a ztunnel field that is checked, then dropped (no effect in ztwisted)
-    read: Callable[[_Reader, Any, str], Any]
+    read: Callable[[_Shapes, Any, str], Any]
     required: bool = False
 
 
-class _Reader:
-    """Walks the YAML data, collecting Problems instead of stopping at the first."""
+class _Shapes:
+    """Walks YAML data, collecting Problems instead of stopping at the first.
+
+    The generic shapes every section is made of; the sections' readers below
+    build on them, and :class:`_Reader` puts the sections together.
+    """
 
     def __init__(self) -> None:
         self.problems: list[Problem] = []
         self.warnings: list[Problem] = []
-        self._derived_uids: set[int] = set()  # id() of workloads whose uid was not given
 
     def problem(self, path: str, message: str) -> object:
         self.problems.append(Problem(path, message))
@@ -439,8 +442,8 @@ class _Reader:
     # generic shapes: each returns a reader(reader, value, path) -> value or _INVALID
 
     @staticmethod
-    def scalar(check: Callable[[Any], Any]) -> Callable[[_Reader, Any, str], Any]:
-        def read(reader: _Reader, value: Any, path: str) -> Any:
+    def scalar(check: Callable[[Any], Any]) -> Callable[[_Shapes, Any, str], Any]:
+        def read(reader: _Shapes, value: Any, path: str) -> Any:
             try:
                 return check(value)
             except _Bad as e:
@@ -450,9 +453,9 @@ class _Reader:
 
     @staticmethod
     def list_of(
-        item: Callable[[_Reader, Any, str], Any], *, nonempty: bool = False, null_is_empty: bool = False
-    ) -> Callable[[_Reader, Any, str], Any]:
-        def read(reader: _Reader, value: Any, path: str) -> Any:
+        item: Callable[[_Shapes, Any, str], Any], *, nonempty: bool = False, null_is_empty: bool = False
+    ) -> Callable[[_Shapes, Any, str], Any]:
+        def read(reader: _Shapes, value: Any, path: str) -> Any:
             if value is None and null_is_empty:
                 return ()
             if not isinstance(value, list):
@@ -466,9 +469,9 @@ class _Reader:
 
     @staticmethod
     def map_of(
-        key: Callable[[Any], Any], item: Callable[[_Reader, Any, str], Any]
-    ) -> Callable[[_Reader, Any, str], Any]:
-        def read(reader: _Reader, value: Any, path: str) -> Any:
+        key: Callable[[Any], Any], item: Callable[[_Shapes, Any, str], Any]
+    ) -> Callable[[_Shapes, Any, str], Any]:
+        def read(reader: _Shapes, value: Any, path: str) -> Any:
             if not isinstance(value, dict):
                 return reader.problem(path, f"expected a mapping, got {_describe(value)}")
             out = {}
@@ -513,29 +516,29 @@ class _Reader:
                 self.problem(where, "required field is missing")
         return out if len(self.problems) == before else None
 
-    # the format
+    # ztunnel's GatewayAddress is a shape of both workloads and services (waypoints)
 
-    def mesh(self, data: Any) -> Mesh | None:
-        if isinstance(data, list):
-            self.problem(
-                "(top level)",
-                "expected a mapping with workloads, services and policies, "
-                "got a list (the old ztunnel format that listed workloads only)",
-            )
+    def gateway_address(self, value: Any, path: str) -> Any:
+        """ztunnel's GatewayAddress: a "network/ip" or "namespace/hostname" destination and a port."""
+        if value is None:
             return None
-        top = self.record(
-            data,
-            "",
+        fields = self.record(
+            value,
+            path,
             {
-                "workloads": _Field("workloads", self.list_of(_Reader.workload, null_is_empty=True)),
-                "services": _Field("services", self.list_of(_Reader.service, null_is_empty=True)),
-                "policies": _Field("policies", self.list_of(_Reader.policy, null_is_empty=True)),
+                "destination": _Field("destination", self.scalar(_string), required=True),
+                "hboneMtlsPort": _Field("port", self.scalar(_port_or_zero), required=True),
             },
         )
-        if top is None:
-            return None
-        workloads, services, policies = (top.get(k, ()) for k in ("workloads", "services", "policies"))
-        return Mesh(*_CrossChecks(self.warning, self._derived_uids)(workloads, services, policies))
+        return _INVALID if fields is None else fields
+
+
+class _WorkloadReader(_Shapes):
+    """The ``workloads`` section."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._derived_uids: set[int] = set()  # id() of workloads whose uid was not given
 
     def workload(self, value: Any, path: str) -> Workload | object:
         s = self.scalar
@@ -565,10 +568,10 @@ class _Reader:
                 "networkMode": _Field("network_mode", s(_enum("Standard", "HostNetwork"))),
                 "capacity": _Field("capacity", s(_count)),
                 # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
-                "waypoint": _Field(None, _Reader.gateway_address),
-                "networkGateway": _Field(None, _Reader.gateway_address),
-                "applicationTunnel": _Field(None, _Reader.application_tunnel),
-                "locality": _Field(None, _Reader.locality),
+                "waypoint": _Field(None, _Shapes.gateway_address),
+                "networkGateway": _Field(None, _Shapes.gateway_address),
+                "applicationTunnel": _Field(None, _WorkloadReader.application_tunnel),
+                "locality": _Field(None, _WorkloadReader.locality),
             },
         )
         if fields is None:
@@ -586,79 +589,6 @@ class _Reader:
             self._derived_uids.add(id(workload))
             return workload
         return Workload(**fields)
-
-    def service(self, value: Any, path: str) -> Service | object:
-        s = self.scalar
-        fields = self.record(
-            value,
-            path,
-            {
-                "name": _Field("name", s(_nonempty_string), required=True),
-                "namespace": _Field("namespace", s(_nonempty_string), required=True),
-                "hostname": _Field("hostname", s(_nonempty_string), required=True),
-                "vips": _Field("vips", self.list_of(s(_vip))),
-                "ports": _Field("ports", self.map_of(_port, s(_port)), required=True),
-                "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
-                "canonical": _Field("canonical", s(_bool)),
-                "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
-                "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, _Reader.endpoint)),
-                "loadBalancer": _Field("load_balancer", _Reader.load_balancer),
-                # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
-                "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
-                "waypoint": _Field(None, _Reader.gateway_address),
-                "weightedWaypoints": _Field(None, self.list_of(_Reader.weighted_waypoint)),
-                "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
-            },
-        )
-        if fields is None:
-            return _INVALID
-        fields.pop(None, None)
-        balancer = fields.pop("load_balancer", None)
-        if balancer is not None:
-            # routingPreferences (and so Strict and Failover) need locality: not implemented
-            fields["load_balancer_mode"] = balancer["mode"]
-            fields["health_policy"] = balancer["health"]
-        return Service(**fields)
-
-    # ztunnel's nested shapes
-
-    def endpoint(self, value: Any, path: str) -> tuple[Any, str] | object:
-        """One of a service's ``endpoints`` (keyed by workload uid): its port map and status."""
-        fields = self.record(
-            value,
-            path,
-            {
-                "workloadUid": _Field("uid", self.scalar(_nonempty_string), required=True),
-                "port": _Field("ports", self.map_of(_port, self.scalar(_port)), required=True),
-                "status": _Field("status", self.scalar(_enum("Healthy", "Unhealthy")), required=True),
-            },
-        )
-        return _INVALID if fields is None else (fields["ports"], fields["status"])
-
-    def gateway_address(self, value: Any, path: str) -> Any:
-        """ztunnel's GatewayAddress: a "network/ip" or "namespace/hostname" destination and a port."""
-        if value is None:
-            return None
-        fields = self.record(
-            value,
-            path,
-            {
-                "destination": _Field("destination", self.scalar(_string), required=True),
-                "hboneMtlsPort": _Field("port", self.scalar(_port_or_zero), required=True),
-            },
-        )
-        return _INVALID if fields is None else fields
-
-    def weighted_waypoint(self, value: Any, path: str) -> Any:
-        fields = self.record(
-            value,
-            path,
-            {
-                "destination": _Field("destination", _Reader.gateway_address, required=True),
-                "weight": _Field("weight", self.scalar(_count), required=True),
-            },
-        )
-        return _INVALID if fields is None else fields
 
     def application_tunnel(self, value: Any, path: str) -> Any:
         if value is None:
@@ -686,6 +616,67 @@ class _Reader:
         )
         return _INVALID if fields is None else fields
 
+
+class _ServiceReader(_Shapes):
+    """The ``services`` section."""
+
+    def service(self, value: Any, path: str) -> Service | object:
+        s = self.scalar
+        fields = self.record(
+            value,
+            path,
+            {
+                "name": _Field("name", s(_nonempty_string), required=True),
+                "namespace": _Field("namespace", s(_nonempty_string), required=True),
+                "hostname": _Field("hostname", s(_nonempty_string), required=True),
+                "vips": _Field("vips", self.list_of(s(_vip))),
+                "ports": _Field("ports", self.map_of(_port, s(_port)), required=True),
+                "subjectAltNames": _Field("subject_alt_names", self.list_of(s(_string))),
+                "canonical": _Field("canonical", s(_bool)),
+                "visibility": _Field("visibility", s(_enum("Public", "Namespace"))),
+                "endpoints": _Field("endpoints", self.map_of(_nonempty_string_key, _ServiceReader.endpoint)),
+                "loadBalancer": _Field("load_balancer", _ServiceReader.load_balancer),
+                # Accepted and checked as ztunnel does, without effect in ztwisted (docs/configuration.rst).
+                "cidrVips": _Field(None, self.list_of(s(_network_cidr))),
+                "waypoint": _Field(None, _Shapes.gateway_address),
+                "weightedWaypoints": _Field(None, self.list_of(_ServiceReader.weighted_waypoint)),
+                "ipFamilies": _Field(None, s(_enum("Dual", "IPv4", "IPv6"))),
+            },
+        )
+        if fields is None:
+            return _INVALID
+        fields.pop(None, None)
+        balancer = fields.pop("load_balancer", None)
+        if balancer is not None:
+            # routingPreferences (and so Strict and Failover) need locality: not implemented
+            fields["load_balancer_mode"] = balancer["mode"]
+            fields["health_policy"] = balancer["health"]
+        return Service(**fields)
+
+    def endpoint(self, value: Any, path: str) -> tuple[Any, str] | object:
+        """One of a service's ``endpoints`` (keyed by workload uid): its port map and status."""
+        fields = self.record(
+            value,
+            path,
+            {
+                "workloadUid": _Field("uid", self.scalar(_nonempty_string), required=True),
+                "port": _Field("ports", self.map_of(_port, self.scalar(_port)), required=True),
+                "status": _Field("status", self.scalar(_enum("Healthy", "Unhealthy")), required=True),
+            },
+        )
+        return _INVALID if fields is None else (fields["ports"], fields["status"])
+
+    def weighted_waypoint(self, value: Any, path: str) -> Any:
+        fields = self.record(
+            value,
+            path,
+            {
+                "destination": _Field("destination", _Shapes.gateway_address, required=True),
+                "weight": _Field("weight", self.scalar(_count), required=True),
+            },
+        )
+        return _INVALID if fields is None else fields
+
     def load_balancer(self, value: Any, path: str) -> Any:
         if value is None:
             return None
@@ -705,9 +696,13 @@ class _Reader:
         )
         return _INVALID if fields is None else fields
 
+
+class _PolicyReader(_Shapes):
+    """The ``policies`` section."""
+
     def policy(self, value: Any, path: str) -> Policy | object:
         s = self.scalar
-        match = _Reader.match
+        match = _PolicyReader.match
         fields = self.record(
             value,
             path,
@@ -739,6 +734,33 @@ class _Reader:
         return _INVALID if checked is None else Match(**checked)
 
 
+class _Reader(_WorkloadReader, _ServiceReader, _PolicyReader):
+    """The whole file: its sections, then the checks across them."""
+
+    def mesh(self, data: Any) -> Mesh | None:
+        if isinstance(data, list):
+            self.problem(
+                "(top level)",
+                "expected a mapping with workloads, services and policies, "
+                "got a list (the old ztunnel format that listed workloads only)",
+            )
+            return None
+        top = self.record(
+            data,
+            "",
+            {
+                "workloads": _Field("workloads", self.list_of(_WorkloadReader.workload, null_is_empty=True)),
+                "services": _Field("services", self.list_of(_ServiceReader.service, null_is_empty=True)),
+                "policies": _Field("policies", self.list_of(_PolicyReader.policy, null_is_empty=True)),
+            },
+        )
+        if top is None:
+            return None
+        workloads, services, policies = (top.get(k, ()) for k in ("workloads", "services", "policies"))
+        return Mesh(*_CrossChecks(self.warning, self._derived_uids)(workloads, services, policies))
+
+
+@attrs.define(eq=False)
 class _CrossChecks:
     """Checks across entries, run once every entry is valid by itself.
 
@@ -748,9 +770,9 @@ class _CrossChecks:
     ``Mesh``); references to what the file lacks have no effect.
     """
 
-    def __init__(self, warning: Callable[[str, str], None], derived_uids: set[int]) -> None:
-        self.warning = warning
-        self._derived_uids = derived_uids
+    warning: Callable[[str, str], None]
+    #: id() of the workloads whose uid was made up (their duplicates say so)
+    _derived_uids: set[int]
 
     def __call__(
         self, workloads: tuple[Workload, ...], services: tuple[Service, ...], policies: tuple[Policy, ...]
@@ -843,6 +865,13 @@ class _CrossChecks:
 # --- reloading --------------------------------------------------------------
 
 
+def _reactor_or_global(reactor: Any) -> Any:
+    if reactor is None:
+        from twisted.internet import reactor
+    return reactor
+
+
+@attrs.define(eq=False)
 class ConfigWatcher:
     """Reload a config file when it changes on disk.
 
@@ -869,33 +898,31 @@ class ConfigWatcher:
     _WRITTEN = inotify.IN_CLOSE_WRITE | inotify.IN_MOVED_TO
     _MASK = _WRITING | _WRITTEN
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        on_change: Callable[[Mesh], Any],
-        on_error: Callable[[ConfigError], Any],
-        reactor: Any = None,
-        *,
-        current: Mesh | None = None,
-        delay: float = 0.1,
-        writer_timeout: float = 2.0,
-        empty_grace: float = 1.0,
-    ) -> None:
-        if reactor is None:
-            from twisted.internet import reactor
-        self.path = os.fspath(path)
-        self.on_change = on_change
-        self.on_error = on_error
-        self.current = current
-        self.delay = delay
-        self.writer_timeout = writer_timeout
-        self.empty_grace = empty_grace
-        self._reactor = reactor
-        self._file = FilePath(os.path.abspath(self.path))
-        self._name = os.fsencode(self._file.basename())
-        self._notifier: inotify.INotify | None = None
-        self._pending: Any = None
-        self._empty_seen = False
+    path: str = attrs.field(converter=os.fspath)
+    on_change: Callable[[Mesh], Any]
+    on_error: Callable[[ConfigError], Any]
+    _reactor: Any = attrs.field(default=None, converter=_reactor_or_global)
+    #: the last good mesh
+    current: Mesh | None = attrs.field(default=None, kw_only=True)
+    delay: float = attrs.field(default=0.1, kw_only=True)
+    writer_timeout: float = attrs.field(default=2.0, kw_only=True)
+    empty_grace: float = attrs.field(default=1.0, kw_only=True)
+    _file: FilePath = attrs.field(init=False)
+    #: the file's name in its directory, as inotify reports it
+    _name: bytes = attrs.field(init=False)
+    _notifier: inotify.INotify | None = attrs.field(init=False, default=None)
+    #: the read that is due (an IDelayedCall)
+    _pending: Any = attrs.field(init=False, default=None)
+    #: the last read found no YAML document (a writer may be between truncating and writing)
+    _empty_seen: bool = attrs.field(init=False, default=False)
+
+    @_file.default
+    def _absolute_file(self) -> FilePath:
+        return FilePath(os.path.abspath(self.path))
+
+    @_name.default
+    def _file_name(self) -> bytes:
+        return os.fsencode(self._file.basename())
 
     def start(self) -> None:
         if self._notifier is not None:

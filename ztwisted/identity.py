@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-import attr
+import attrs
 from cryptography import x509
 from OpenSSL import crypto
 
@@ -31,13 +31,13 @@ def _trust_domain(value: str) -> str:
     return value or DEFAULT_TRUST_DOMAIN
 
 
-@attr.s(frozen=True, slots=True)
+@attrs.frozen(order=True)
 class SpiffeId:
     """``spiffe://<trust_domain>/ns/<namespace>/sa/<service_account>``."""
 
-    trust_domain: str = attr.ib(converter=_trust_domain)
-    namespace: str = attr.ib()
-    service_account: str = attr.ib()
+    trust_domain: str = attrs.field(converter=_trust_domain)
+    namespace: str = attrs.field()
+    service_account: str = attrs.field()
 
     @trust_domain.validator
     def _check_trust_domain(self, _attribute, value: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 from twisted.internet import defer
 
 from ztwisted.context import ProxyContext
@@ -12,30 +15,37 @@ from ztwisted.network import HostNetwork, PodNetwork
 from ztwisted.sockets import log_listening
 
 
+@attrs.define(eq=False)
 class WorkloadListeners:
     """Inbound on each of a workload's IPs (15008, 15006), and in a pod also outbound (15001)."""
 
-    def __init__(
-        self, context: ProxyContext, outbound: Outbound, workload: Workload, network: HostNetwork | PodNetwork
-    ):
-        self.workload = workload
-        self.network = network
-        self.hbone = InboundHBONE(context, workload, network)
-        self.plaintext = InboundPlaintext(context, workload, network)
-        self.ports = []
-        #: every listener is open (readiness reports a local workload whose listeners are not)
-        self.listening = False
-        self._closed = False
-        settings = context.settings
-        in_pod = not isinstance(network, HostNetwork)
+    context: ProxyContext
+    outbound: Outbound
+    workload: Workload
+    network: HostNetwork | PodNetwork
+    hbone: InboundHBONE = attrs.field(init=False)
+    plaintext: InboundPlaintext = attrs.field(init=False)
+    #: in a pod, its own 15001 (its redirect rules send its outbound connections there)
+    redirect: Any = attrs.field(init=False, default=None)
+    #: what to open: (ip, port, factory, purpose) each
+    wanted: list[tuple[str, int, Any, str]] = attrs.field(init=False, factory=list)
+    ports: list = attrs.field(init=False, factory=list)
+    #: every listener is open (readiness reports a local workload whose listeners are not)
+    listening: bool = attrs.field(init=False, default=False)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.hbone = InboundHBONE(self.context, self.workload, self.network)
+        self.plaintext = InboundPlaintext(self.context, self.workload, self.network)
+        settings = self.context.settings
+        in_pod = not isinstance(self.network, HostNetwork)
         # A pod's namespace holds only its own addresses; its redirect rules send to them or to loopback.
-        addresses = ["0.0.0.0"] if in_pod else [str(ip) for ip in workload.workload_ips]
+        addresses = ["0.0.0.0"] if in_pod else [str(ip) for ip in self.workload.workload_ips]
         self.wanted = [(ip, settings.hbone_port, self.hbone.factory(), "HBONE inbound") for ip in addresses]
         if settings.plaintext_port is not None:
             self.wanted += [(ip, settings.plaintext_port, self.plaintext, "plaintext inbound") for ip in addresses]
-        self.redirect = None
         if in_pod and settings.pod_outbound_port is not None:
-            self.redirect = outbound.redirect_factory(source=workload)
+            self.redirect = self.outbound.redirect_factory(source=self.workload)
             self.wanted.append(("0.0.0.0", settings.pod_outbound_port, self.redirect, "redirected outbound"))
 
     def update(self, workload: Workload) -> None:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
+import attrs
 from twisted.logger import (
     ILogObserver,
     Logger,
@@ -110,16 +112,18 @@ def event_as_flat_dict(event: dict[str, Any]) -> dict[str, Any]:
 
 
 @implementer(ILogObserver)
+@attrs.define(eq=False)
 class _FileObserver:
-    def __init__(self, out_file: IO[str], render: Any) -> None:
-        self._out = out_file
-        self._render = render
+    """Writes each event as ``render`` makes it (nothing for an empty text) to ``out_file``, flushed."""
+
+    _out_file: IO[str]
+    _render: Callable[[dict[str, Any]], str | None]
 
     def __call__(self, event: dict[str, Any]) -> None:
         text = self._render(event)
         if text:
-            self._out.write(text)
-            flush = getattr(self._out, "flush", None)
+            self._out_file.write(text)
+            flush = getattr(self._out_file, "flush", None)
             if flush is not None:
                 flush()
 

@@ -104,6 +104,7 @@ class ConnectionLabels:
         return {name: _label(getattr(self, name)) for name in TRAFFIC_LABELS}
 
 
+@attrs.define(eq=False)
 class _WithoutCreated:
     """Presents a registry without the ``*_created`` series prometheus_client adds.
 
@@ -111,8 +112,7 @@ class _WithoutCreated:
     exactly the documented ones.
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
+    _registry: CollectorRegistry
 
     def collect(self) -> Iterator[Any]:
         for family in self._registry.collect():

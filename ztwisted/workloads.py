@@ -68,8 +68,16 @@ class LocalWorkloads:
         return True
 
     def withdraw(self, workload: Workload) -> None:
-        """No longer local from now on (a pod being removed); its pod network stays until :meth:`forget`."""
-        self._removed_uids.add(workload.uid)
+        """No longer local from now on (a pod being removed); its pod network stays until :meth:`forget`.
+
+        In in-pod mode nothing is recorded: the node agent's pods are the local
+        ones and a removed pod is listed until :meth:`forget`. A record there
+        would never end (only a reloaded configuration ends withdrawals, and
+        pods come and go without the configuration listing them), and would grow
+        with every pod the node ever served.
+        """
+        if not self.inpod:
+            self._removed_uids.add(workload.uid)
         self._changed()
 
     def forget(self, workload: Workload) -> PodNetwork | None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.integration.conftest import NET
-from tests.integration.inpod_support import APP_PORT, InpodNode, roundtrip
+from tests.integration.inpod_support import APP_PORT, InpodNode, acks_ok, roundtrip
 from tests.integration.test_inpod_e2e import (  # noqa: F401 (fixtures)
     POD_B_IP,
     apps,
@@ -40,6 +42,27 @@ def control_plane(tmp_path, network):  # noqa: F811
     plane.stop()
 
 
+def xds_node(tmp_path, number: int, control_plane, *extra_args: str) -> InpodNode:
+    """An in-pod node with neither a config file nor a CA of its own: discovery and certificates
+    come from ``control_plane``."""
+    return InpodNode(
+        tmp_path,
+        number,
+        NET,
+        config=None,
+        state_dir=tmp_path / f"state-{number}",
+        extra_args=(
+            "--xds-address",
+            control_plane.address,
+            "--xds-root-ca",
+            str(control_plane.root_cert),
+            "--ca-root-ca",
+            str(control_plane.root_cert),
+            *extra_args,
+        ),
+    )
+
+
 def test_pods_added_by_the_node_agent_are_served_with_workloads_and_certificates_from_the_control_plane(
     tmp_path,
     network,  # noqa: F811
@@ -49,21 +72,7 @@ def test_pods_added_by_the_node_agent_are_served_with_workloads_and_certificates
     started = []
     try:
         for number in (1, 2):
-            node = InpodNode(
-                tmp_path,
-                number,
-                NET,
-                config=None,
-                state_dir=tmp_path / f"state-{number}",
-                extra_args=(
-                    "--xds-address",
-                    control_plane.address,
-                    "--xds-root-ca",
-                    str(control_plane.root_cert),
-                    "--ca-root-ca",
-                    str(control_plane.root_cert),
-                ),
-            )
+            node = xds_node(tmp_path, number, control_plane)
             started.append(node)
             node.start()
         node1, node2 = started
@@ -80,3 +89,36 @@ def test_pods_added_by_the_node_agent_are_served_with_workloads_and_certificates
     finally:
         for node in started:
             node.stop()
+
+
+def test_a_removed_pods_certificate_from_the_control_plane_stops_renewing_and_leaves_the_config_dump(
+    tmp_path,
+    network,  # noqa: F811
+    control_plane,
+):
+    pod_b = network.pods["b"]
+    identity = "spiffe://cluster.local/ns/default/sa/pod-b"
+    # Renewed at half-life: every 2 s, so that a renewal that goes on would show.
+    node = xds_node(tmp_path, 2, control_plane, "--secret-ttl", "4s")
+
+    def signed_for_b() -> int:
+        return sum(identity in entry["sans"] for entry in control_plane.state()["signed"])
+
+    def dumped() -> list[str]:
+        return [certificate["identity"] for certificate in node.proxy.config_dump()["certificates"]]
+
+    try:
+        node.start()
+        serve_pod(node, pod_b, check_not_ready=False)
+        assert identity in dumped()
+        wait_until(lambda: signed_for_b() >= 2, timeout=20, what="pod b's certificate to be renewed")
+        code, reply = node.agent.call("delete", {"uid": pod_b.uid})
+        assert code == 200 and acks_ok(reply), reply
+        wait_until(lambda: identity not in dumped(), timeout=10, what="pod b's certificate to leave the config dump")
+        time.sleep(1)  # a renewal already asked for when the pod went is answered (and dropped)
+        signed = signed_for_b()
+        time.sleep(6)  # three renewal periods
+        assert signed_for_b() == signed, "a removed pod's certificate is no longer renewed"
+        assert identity not in dumped()
+    finally:
+        node.stop()

@@ -14,7 +14,7 @@ from ztwisted.config import builtin_example_path, parse_config
 from ztwisted.hbone.inbound import serves_address
 from ztwisted.inpod import wire
 from ztwisted.inpod.proxies import PodProxies, pod_workload
-from ztwisted.inpod.wire import AddWorkload, WorkloadInfo
+from ztwisted.inpod.wire import AddWorkload, DelWorkload, SnapshotSent, WorkloadInfo
 from ztwisted.model import Mesh
 from ztwisted.network import HostNetwork, PodNetwork
 from ztwisted.tools.zds_testing import unshared_netns
@@ -143,3 +143,36 @@ def test_an_add_before_discovery_is_acked_served_and_completed_by_discovery_late
         if served is not None:
             yield node.listeners[served.uid].stop_listening()
             node.workloads.network_of(served).close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_pods_added_and_removed_over_and_over_leave_nothing_behind(proxy, pod_netns):
+    """Pod churn through the node agent, pods the configuration never lists: each removed pod's
+    listeners, certificate (no longer renewed, gone from the config dump) and every record of it go."""
+    node = proxy.node
+    certificates = node.context.certificates
+    harness = Harness(manager=PodProxies(node, proxy.drain))
+    try:
+        agent = yield harness.start()
+        ack = yield request(agent, wire.encode_request(SnapshotSent()))
+        assert ack.ok, ack.error
+        for number in range(6):
+            uid, info = f"uid-churn-{number}", WorkloadInfo(f"churn-{number}", "shop", f"churn-{number}")
+            ack = yield request(agent, wire.encode_request(AddWorkload(uid, info)), [pod_netns.fileno()])
+            assert ack.ok, ack.error
+            identity = node.workloads.find(uid).identity
+            certificates.get(identity)  # what the pod's first inbound TLS handshake does
+            assert str(identity) in [c["identity"] for c in proxy.config_dump()["certificates"]]
+            ack = yield request(agent, wire.encode_request(DelWorkload(uid)))
+            assert ack.ok, ack.error
+            assert node.workloads.find(uid) is None and uid not in node.listeners
+            assert str(identity) not in [c["identity"] for c in proxy.config_dump()["certificates"]]
+            renewals = [call for call in reactor.getDelayedCalls() if call.args == (identity,)]
+            assert renewals == [], "a removed pod's certificate is no longer renewed"
+        # Withdrawals are ended by a reloaded configuration, which never lists these pods:
+        # a record of each would only grow.
+        assert node.workloads._removed_uids == set()
+    finally:
+        harness.client.stopService()
+        for peer in harness.peers:
+            peer.close()

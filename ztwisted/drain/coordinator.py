@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import attrs
 from twisted.internet import defer
 from twisted.logger import Logger
 
@@ -12,20 +14,27 @@ log = Logger()
 EVENTS = ("pod_terminating", "pod_removed", "destination_removed", "proxy_stopping")
 
 
+@attrs.define(eq=False)
 class DrainCoordinator:
     """Each event goes to each strategy in order; it completes when all of theirs have."""
 
-    def __init__(self, strategies, facade, metrics, clock):
-        self.strategies = list(strategies)
-        self.facade = facade
-        self.clock = clock
-        self._events = metrics.counter(
+    strategies: list = attrs.field(converter=list)
+    facade: Any
+    #: where the coordinator's own series are made (a :class:`ztwisted.metrics.Metrics`)
+    metrics: Any
+    clock: Any
+    _events: Any = attrs.field(init=False)
+    _failures: Any = attrs.field(init=False)
+    _durations: Any = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._events = self.metrics.counter(
             "ztwisted_drain_events_total", "Drain events delivered, per strategy", ("strategy", "event")
         )
-        self._failures = metrics.counter(
+        self._failures = self.metrics.counter(
             "ztwisted_drain_event_failures_total", "Drain event handlers that failed", ("strategy", "event")
         )
-        self._durations = metrics.histogram(
+        self._durations = self.metrics.histogram(
             "ztwisted_drain_duration_seconds",
             "How long drain events took to complete",
             ("event",),

@@ -121,6 +121,7 @@ class ClientEvict(DrainStrategy):
         )
 
 
+@attrs.define(eq=False)
 class Gradual(DrainStrategy):
     name = "gradual"
     description = "when the proxy stops, spread its GOAWAYs over the drain window so clients do not all reconnect at once (as Envoy)"
@@ -128,8 +129,8 @@ class Gradual(DrainStrategy):
     #: GOAWAYs are spread over this share of the drain window; the rest is for streams to finish
     spread = 0.8
 
-    def __init__(self, rng: random.Random | None = None):
-        self.rng = rng or random.Random()
+    #: the order in which connections get their GOAWAY
+    rng: random.Random = attrs.field(factory=random.Random, converter=lambda rng: rng or random.Random())
 
     def proxy_stopping(self, node):
         connections = node.inbound_connections() + node.pool_connections()

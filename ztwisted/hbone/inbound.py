@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
+import attrs
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
@@ -13,7 +14,8 @@ from ztwisted.context import NodeSettings, ProxyContext
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
-from ztwisted.network import HostNetwork
+from ztwisted.model import Workload
+from ztwisted.network import HostNetwork, PodNetwork
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ServerTLS, peer_identity, tls_factory
@@ -111,17 +113,21 @@ def serves_address(workload, network, ip: str, arrived_at: str) -> bool:
     return not isinstance(network, HostNetwork) and address == ipaddress.ip_address(arrived_at)
 
 
+@attrs.define(eq=False)
 class InboundHBONE:
     """Serves CONNECT tunnels to one local workload, with that workload's certificate."""
 
-    def __init__(self, context: ProxyContext, workload, network):
-        self.context = context
-        self.workload = workload
-        self.network = network
-        self.connections: set[HBONEConnection] = set()
+    context: ProxyContext
+    workload: Workload
+    network: HostNetwork | PodNetwork
+    connections: set[HBONEConnection] = attrs.field(init=False, factory=set)
+    _tls: ServerTLS = attrs.field(init=False)
+
+    @_tls.default
+    def _server_tls(self) -> ServerTLS:
         # The workload may be updated by discovery (in-pod mode); new connections take its identity then.
-        self._tls = ServerTLS(
-            lambda: context.certificates.get(self.workload.identity), trust_domain=workload.trust_domain
+        return ServerTLS(
+            lambda: self.context.certificates.get(self.workload.identity), trust_domain=self.workload.trust_domain
         )
 
     def factory(self) -> TLSMemoryBIOFactory:
@@ -269,26 +275,46 @@ class _PlaintextInbound(TCPEnd):
     def connectionMade(self) -> None:
         self.inbound.connections.add(self)
         self.transport.pauseProducing()
-        context, workload = self.inbound.context, self.inbound.workload
+        destination = self._destination()
+        if destination is None:
+            self.transport.loseConnection()
+            return
+        ip, port = destination
+        record = self._record(ip, port)
+        refusal = self._refusal(ip, port)
+        if refusal is not None:
+            record.refused(*refusal)
+            self.transport.loseConnection()
+            return
+        self._connect_upstream(record, ip, port)
+        super().connectionMade()
+
+    def _destination(self) -> tuple[str, int] | None:
+        """Where iptables sent this connection, if it is for this workload (else logged, None)."""
+        workload = self.inbound.workload
         destination = original_destination(self.transport)
         local = self.transport.getHost()
-        peer = self.transport.getPeer()
         if destination is None or destination == (local.host, local.port):
+            peer = self.transport.getPeer()
             log.warn(
                 "plaintext inbound connection from {peer} to {workload} was not redirected: no original destination",
                 peer=f"{peer.host}:{peer.port}",
                 workload=workload.name,
             )
-            self.transport.loseConnection()
-            return
-        ip, port = destination
+            return None
+        ip, _port = destination
         if not serves_address(workload, self.inbound.network, ip, local.host):
             log.warn("plaintext inbound to {ip}: not workload {workload}", ip=ip, workload=workload.name)
-            self.transport.loseConnection()
-            return
-        record = ConnectionRecord(
-            context.metrics,
-            context.reactor,
+            return None
+        return destination
+
+    def _record(self, ip: str, port: int) -> ConnectionRecord:
+        """The metrics and access-log record of this connection, whatever becomes of it."""
+        workload = self.inbound.workload
+        peer = self.transport.getPeer()
+        return ConnectionRecord(
+            self.inbound.context.metrics,
+            self.inbound.context.reactor,
             ConnectionLabels.for_connection(
                 "destination", destination=workload, destination_identity=workload.identity
             ),
@@ -299,24 +325,27 @@ class _PlaintextInbound(TCPEnd):
                 "dst.workload": workload.name,
             },
         )
+
+    def _refusal(self, ip: str, port: int) -> tuple[str, str] | None:
+        """Why this connection is refused, as (response flags, reason), or None to forward it."""
+        context = self.inbound.context
         if port in illegal_ports(context.settings):
-            record.refused("-", SELF_CALL.format(port=port))
-            self.transport.loseConnection()
-            return
+            return "-", SELF_CALL.format(port=port)
         # Istio's semantics for traffic from outside the mesh: no peer identity, so only
         # rules that need none (source IPs, ports, ...) can match it.
         decision = authorize(
             context.mesh.policies,
             source=None,
-            source_ip=ipaddress.ip_address(peer.host),
-            destination=workload,
+            source_ip=ipaddress.ip_address(self.transport.getPeer().host),
+            destination=self.inbound.workload,
             destination_ip=ipaddress.ip_address(ip),
             destination_port=port,
         )
         if not decision.allowed:
-            record.refused("DENY", _denial(decision))
-            self.transport.loseConnection()
-            return
+            return "DENY", _denial(decision)
+        return None
+
+    def _connect_upstream(self, record: ConnectionRecord, ip: str, port: int) -> None:
         upstream = TCPEnd()
 
         def connected(_):
@@ -327,7 +356,7 @@ class _PlaintextInbound(TCPEnd):
             record.refused("CONNECT", failure.getErrorMessage())
             self.abort()
 
-        self.inbound.network.connect(ip, port, factory_for(upstream), timeout=context.connect_timeout).addCallbacks(
-            connected, failed
+        connecting = self.inbound.network.connect(
+            ip, port, factory_for(upstream), timeout=self.inbound.context.connect_timeout
         )
-        super().connectionMade()
+        connecting.addCallbacks(connected, failed)

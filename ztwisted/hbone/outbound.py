@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 
+import attrs
 from twisted.internet import defer, error
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
@@ -28,17 +29,21 @@ class OutboundRefused(Socks5Error):
     """An outbound connection that the proxy will not carry; ``reply_code`` is the SOCKS5 answer."""
 
 
+@attrs.define(eq=False)
 class Outbound:
     """Routes an app's connection: resolve, then HBONE through the pool or plain TCP."""
 
-    def __init__(self, context: ProxyContext):
-        self.context = context
-        #: app connections accepted on SOCKS5 and redirect listeners (a drain waits for them)
-        self.app_connections = LiveConnections()
-        self.pool = ConnectionPool(
-            context.reactor,
+    context: ProxyContext
+    #: app connections accepted on SOCKS5 and redirect listeners (a drain waits for them)
+    app_connections: LiveConnections = attrs.field(init=False, factory=LiveConnections)
+    pool: ConnectionPool = attrs.field(init=False)
+
+    @pool.default
+    def _new_pool(self) -> ConnectionPool:
+        return ConnectionPool(
+            self.context.reactor,
             self._connect_hbone,
-            connect_timeout=context.connect_timeout,
+            connect_timeout=self.context.connect_timeout,
             on_connection_opened=self._connection_opened,
         )
 

@@ -11,8 +11,9 @@ another connection.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
-import attr
+import attrs
 from twisted.internet import defer
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -20,42 +21,38 @@ from twisted.logger import Logger
 from ztwisted.h2.connection import HBONEConnection, StreamRefused
 
 
-@attr.s(frozen=True)
+@attrs.frozen(order=True)
 class PoolKey:
-    source_identity: str = attr.ib()
-    destination_identities: frozenset = attr.ib(converter=frozenset)
-    destination: tuple = attr.ib()  # (ip, port) of the peer's HBONE listener
-    source_ip: str = attr.ib()
+    source_identity: str
+    destination_identities: frozenset = attrs.field(converter=frozenset)
+    destination: tuple  # (ip, port) of the peer's HBONE listener
+    source_ip: str
 
     def __str__(self) -> str:
         ip, port = self.destination
         return f"{self.source_identity} -> {ip}:{port}"
 
 
+@attrs.define(eq=False)
 class ConnectionPool:
+    """Outbound HBONE connections by :class:`PoolKey`; ``connect(key)`` opens a new one."""
+
     log = Logger()
 
-    def __init__(
-        self,
-        clock,
-        connect: Callable[[PoolKey], defer.Deferred],
-        *,
-        idle_timeout: float = 300.0,
-        connect_timeout: float = 10.0,
-        on_connection_opened: Callable[[PoolKey, HBONEConnection], None] | None = None,
-    ):
-        self.clock = clock
-        self._connect = connect
-        self.idle_timeout = idle_timeout
-        self.connect_timeout = connect_timeout
-        self._on_connection_opened = on_connection_opened
-        self._connections: dict[PoolKey, list[HBONEConnection]] = {}
-        self._connecting: dict[PoolKey, list[defer.Deferred]] = {}
-        self._idle_timers: dict[HBONEConnection, object] = {}
-        self._keys: dict[HBONEConnection, PoolKey] = {}
-        self._failures: dict[PoolKey, int] = {}
-        #: ``delay(consecutive_failures) -> seconds`` before a new connect attempt, or None
-        self.connect_backoff = None
+    clock: Any
+    _connect: Callable[[PoolKey], defer.Deferred]
+    idle_timeout: float = attrs.field(default=300.0, kw_only=True)
+    connect_timeout: float = attrs.field(default=10.0, kw_only=True)
+    _on_connection_opened: Callable[[PoolKey, HBONEConnection], None] | None = attrs.field(default=None, kw_only=True)
+    _connections: dict[PoolKey, list[HBONEConnection]] = attrs.field(init=False, factory=dict)
+    #: waiters of the single connect in flight per key
+    _connecting: dict[PoolKey, list[defer.Deferred]] = attrs.field(init=False, factory=dict)
+    _idle_timers: dict[HBONEConnection, object] = attrs.field(init=False, factory=dict)
+    _keys: dict[HBONEConnection, PoolKey] = attrs.field(init=False, factory=dict)
+    #: consecutive failed connects per key (for ``connect_backoff``)
+    _failures: dict[PoolKey, int] = attrs.field(init=False, factory=dict)
+    #: ``delay(consecutive_failures) -> seconds`` before a new connect attempt, or None
+    connect_backoff: Callable[[int], float] | None = attrs.field(init=False, default=None)
 
     def open_tunnel(self, key: PoolKey, authority: str, headers: Iterable[tuple[str, str]] = ()) -> defer.Deferred:
         """Fires with an open :class:`~ztwisted.h2.connection.Stream` to ``authority``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 from twisted.internet import defer
 from twisted.logger import Logger
 
@@ -92,11 +93,12 @@ def _ending(app_outcome: str, upstream_outcome: str) -> str:
     return app_outcome if app_outcome != "closed" else upstream_outcome
 
 
+@attrs.define(eq=False)
 class LiveConnections:
     """The app-side connections a listener accepted, so that a drain can wait for them to end."""
 
-    def __init__(self):
-        self._ended: dict = {}
+    #: protocol -> the Deferred that fires when it ends
+    _ended: dict = attrs.field(init=False, factory=dict)
 
     def add(self, protocol) -> None:
         self._ended[protocol] = defer.Deferred()

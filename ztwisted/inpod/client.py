@@ -270,6 +270,9 @@ class ZdsClient(service.Service):
     reconnect delay in seconds (doubling in between, reset once a snapshot
     arrives). The client is ready (:meth:`ready`) once the current
     connection's snapshot arrived and no pod is pending.
+
+    The client owns the connection (reconnecting with backoff) and turns each
+    datagram into a request; :class:`_Pods` carries the requests out.
     """
 
     name = "zds-client"
@@ -300,11 +303,15 @@ class ZdsClient(service.Service):
         self._sessions_started = 0
         self._delay = backoff[0]
         self._reconnect_call: Any = None
-        self._retry_call: Any = None
         self._jobs = _SerialJobs()
-        self._netns_ids: dict[str, tuple[int, int]] = {}  # running pods: uid -> (st_dev, st_ino)
-        self._pending: dict[str, _Pending] = {}  # failed starts, waiting for a retry
-        self._starting: set[str] = set()  # add_pod calls in flight
+        self._pods = _Pods(
+            reactor=reactor,
+            manager=manager,
+            metrics=self._metrics,
+            retry_interval=retry_interval,
+            jobs=self._jobs,
+            current_session=lambda: self._session,
+        )
 
     # -- service -------------------------------------------------------------
 
@@ -314,10 +321,10 @@ class ZdsClient(service.Service):
 
     def stopService(self) -> None:
         super().stopService()
-        for call in (self._reconnect_call, self._retry_call):
-            if call is not None and call.active():
-                call.cancel()
-        self._reconnect_call = self._retry_call = None
+        if self._reconnect_call is not None and self._reconnect_call.active():
+            self._reconnect_call.cancel()
+        self._reconnect_call = None
+        self._pods.stop_retrying()
         if self._session is not None:
             self._session.conn.abort()
 
@@ -339,7 +346,7 @@ class ZdsClient(service.Service):
 
     def pending(self) -> set[str]:
         """Uids whose proxy is starting, or failed to start and waits for a retry."""
-        return set(self._pending) | self._starting
+        return self._pods.pending()
 
     def status(self) -> dict[str, Any]:
         """A JSON-ready summary (for config dumps and the agent lab)."""
@@ -386,15 +393,9 @@ class ZdsClient(service.Service):
             session=session.conn.name,
             reason=reason.getErrorMessage(),
         )
-        # Pending starts belong to this connection's view; the next snapshot resends them.
-        if self._retry_call is not None and self._retry_call.active():
-            self._retry_call.cancel()
-        self._retry_call = None
-        for pending in self._pending.values():
-            pending.netns.close()
-        self._pending.clear()
+        self._pods.forget_pending()
         self._jobs.discard_session(session)
-        self._update_gauges()
+        self._pods.update_gauges()
         self._schedule_reconnect()
 
     # -- one datagram ----------------------------------------------------------
@@ -424,7 +425,7 @@ class ZdsClient(service.Service):
         """Carry out a valid request; fires with the Ack's error text ("" for success)."""
         if isinstance(request, wire.AddWorkload):
             assert netns is not None
-            return self._add(session, request, netns)
+            return self._pods.add(session, request, netns)
         if isinstance(request, wire.KeepWorkload):
             if session.snapshot_received:
                 raise wire.ZdsProtocolError(
@@ -433,19 +434,45 @@ class ZdsClient(service.Service):
             session.snapshot_names.add(request.uid)
             return defer.succeed("")
         if isinstance(request, wire.DelWorkload):
-            return self._delete(session, request.uid)
+            return self._pods.delete(session, request.uid)
         if isinstance(request, wire.SnapshotSent):
             if session.snapshot_received:
                 raise wire.ZdsProtocolError("duplicate_snapshot", "a second SnapshotSent on the same connection")
-            self._reconcile(session)
+            self._delay = self.backoff[0]  # a healthy connection: start the backoff over
+            self._pods.reconcile(session)
             return defer.succeed("")
         if isinstance(request, wire.ShutdownStarting):
             return _ack_text(self.manager.pod_terminating, request.uid)
         raise wire.ZdsProtocolError("unknown_message", f"unhandled request {request!r}")
 
-    # -- the requests ------------------------------------------------------------
 
-    def _add(self, session: _Session, request: wire.AddWorkload, netns: Netns) -> defer.Deferred:
+@attrs.define(eq=False)
+class _Pods:
+    """The pods as the client knows them, and the manager calls that change them.
+
+    A pod runs (its namespace's identity is kept, to tell a re-created sandbox
+    from a repeated Add), is starting (an ``add_pod`` call in flight), or
+    failed to start and waits for the next retry round (its namespace kept).
+    """
+
+    reactor: Any
+    manager: IPodManager
+    metrics: _Metrics | None
+    retry_interval: float
+    #: retries run as jobs, in order with the requests
+    jobs: _SerialJobs
+    #: the connection now open, if any: failed starts are kept for retries only while one is
+    current_session: Callable[[], _Session | None]
+    #: running pods: uid -> (st_dev, st_ino) of their network namespace
+    _netns_ids: dict[str, tuple[int, int]] = attrs.field(init=False, factory=dict)
+    _pending: dict[str, _Pending] = attrs.field(init=False, factory=dict)  # failed starts, waiting for a retry
+    _starting: set[str] = attrs.field(init=False, factory=set)  # add_pod calls in flight
+    _retry_call: Any = attrs.field(init=False, default=None)
+
+    def pending(self) -> set[str]:
+        return set(self._pending) | self._starting
+
+    def add(self, session: _Session, request: wire.AddWorkload, netns: Netns) -> defer.Deferred:
         uid = request.uid
         if not session.snapshot_received:
             session.snapshot_names.add(uid)
@@ -462,6 +489,52 @@ class ZdsClient(service.Service):
             previous.netns.close()
         return self._start(uid, request.workload_info, netns)
 
+    def delete(self, session: _Session, uid: str) -> defer.Deferred:
+        pending = self._pending.pop(uid, None)
+        if pending is not None:
+            pending.netns.close()
+            self.update_gauges()
+        if not session.snapshot_received:
+            # Before the snapshot a Del only takes the pod out of it; reconcile stops it.
+            session.snapshot_names.discard(uid)
+            return defer.succeed("")
+        if uid in self._netns_ids or uid in self.manager.running_pods():
+            return self._remove(uid)
+        return defer.succeed("")
+
+    def reconcile(self, session: _Session) -> None:
+        """The snapshot is complete: stop the pods it did not name."""
+        stale = (set(self.manager.running_pods()) | set(self._netns_ids)) - session.snapshot_names
+        for uid in sorted(stale):
+            log.info("pod {uid} was not in the node agent's snapshot; removing its proxy", uid=uid)
+            self._remove(uid)  # not awaited: the agent no longer knows the pod
+        session.snapshot_received = True
+        session.snapshot_names.clear()
+        self.update_gauges()
+        log.info(
+            "snapshot from the node agent complete ({count} pods running, {pending} pending)",
+            count=len(self.manager.running_pods()),
+            pending=len(self._pending),
+        )
+
+    def forget_pending(self) -> None:
+        """The connection is gone: pending starts belong to its view, and the next snapshot resends them."""
+        self.stop_retrying()
+        for pending in self._pending.values():
+            pending.netns.close()
+        self._pending.clear()
+
+    def stop_retrying(self) -> None:
+        if self._retry_call is not None and self._retry_call.active():
+            self._retry_call.cancel()
+        self._retry_call = None
+
+    def update_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.active.set(len(set(self.manager.running_pods()) | set(self._netns_ids)))
+        self.metrics.pending.set(len(self.pending()))
+
     def _start(self, uid: str, info: wire.WorkloadInfo, netns: Netns) -> defer.Deferred:
         # In flight, the netns belongs to this call: a lost connection must not close it.
         self._pending.pop(uid, None)
@@ -470,9 +543,9 @@ class ZdsClient(service.Service):
         def started(_: Any) -> str:
             self._starting.discard(uid)
             self._netns_ids[uid] = (netns.device, netns.inode)
-            if self._metrics is not None:
-                self._metrics.started.inc()
-            self._update_gauges()
+            if self.metrics is not None:
+                self.metrics.started.inc()
+            self.update_gauges()
             log.info(
                 "proxy for pod {uid} ({namespace}/{name}) started", uid=uid, namespace=info.namespace, name=info.name
             )
@@ -481,15 +554,14 @@ class ZdsClient(service.Service):
         def failed(failure: Failure) -> str:
             self._starting.discard(uid)
             message = failure.getErrorMessage()
-            session = self._session
-            if session is None:
+            if self.current_session() is None:
                 netns.close()  # the connection is gone; the next snapshot resends the pod
             else:
                 self._pending[uid] = _Pending(info, netns)
                 self._schedule_retry()
-            if self._metrics is not None:
-                self._metrics.start_failures.inc()
-            self._update_gauges()
+            if self.metrics is not None:
+                self.metrics.start_failures.inc()
+            self.update_gauges()
             log.error(
                 "proxy for pod {uid} failed to start: {message}; retrying every {interval:g} s",
                 uid=uid,
@@ -500,76 +572,42 @@ class ZdsClient(service.Service):
 
         return defer.maybeDeferred(self.manager.add_pod, uid, info, netns).addCallbacks(started, failed)
 
-    def _delete(self, session: _Session, uid: str) -> defer.Deferred:
-        pending = self._pending.pop(uid, None)
-        if pending is not None:
-            pending.netns.close()
-            self._update_gauges()
-        if not session.snapshot_received:
-            # Before the snapshot a Del only takes the pod out of it; reconcile stops it.
-            session.snapshot_names.discard(uid)
-            return defer.succeed("")
-        if uid in self._netns_ids or uid in self.manager.running_pods():
-            return self._remove(uid)
-        return defer.succeed("")
-
     def _remove(self, uid: str) -> defer.Deferred:
         """Remove a running pod; fires with "" or the failure's message when it is done."""
         self._netns_ids.pop(uid, None)
         result = _ack_text(self.manager.remove_pod, uid)
-        self._update_gauges()
+        self.update_gauges()
 
         def stopped(error: str) -> str:
-            if self._metrics is not None:
-                self._metrics.stopped.inc()
-            self._update_gauges()
+            if self.metrics is not None:
+                self.metrics.stopped.inc()
+            self.update_gauges()
             return error
 
         return result.addCallback(stopped)
 
-    def _reconcile(self, session: _Session) -> None:
-        stale = (set(self.manager.running_pods()) | set(self._netns_ids)) - session.snapshot_names
-        for uid in sorted(stale):
-            log.info("pod {uid} was not in the node agent's snapshot; removing its proxy", uid=uid)
-            self._remove(uid)  # not awaited: the agent no longer knows the pod
-        session.snapshot_received = True
-        session.snapshot_names.clear()
-        self._delay = self.backoff[0]  # a healthy connection: start the backoff over
-        self._update_gauges()
-        log.info(
-            "snapshot from the node agent complete ({count} pods running, {pending} pending)",
-            count=len(self.manager.running_pods()),
-            pending=len(self._pending),
-        )
-
     # -- retrying failed starts --------------------------------------------------
 
     def _schedule_retry(self) -> None:
-        if self._retry_call is None and self._session is not None:
+        if self._retry_call is None and self.current_session() is not None:
             self._retry_call = self.reactor.callLater(self.retry_interval, self._retry_due)
 
     def _retry_due(self) -> None:
         self._retry_call = None
-        session = self._session
+        session = self.current_session()
         if session is not None and self._pending:
-            self._jobs.enqueue(_Job(session, self._retry_pending))
+            self.jobs.enqueue(_Job(session, self._retry_pending))
 
     @defer.inlineCallbacks
     def _retry_pending(self):
         for uid in sorted(self._pending):
             pending = self._pending.get(uid)
-            if pending is None or self._session is None:
+            if pending is None or self.current_session() is None:
                 continue
             log.info("retrying the proxy for pod {uid}", uid=uid)
             yield self._start(uid, pending.workload_info, pending.netns)
         if self._pending:
             self._schedule_retry()
-
-    def _update_gauges(self) -> None:
-        if self._metrics is None:
-            return
-        self._metrics.active.set(len(set(self.manager.running_pods()) | set(self._netns_ids)))
-        self._metrics.pending.set(len(self.pending()))
 
 
 def _ack_text(action: Callable[[str], object], uid: str) -> defer.Deferred:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import attr
+import attrs
 from twisted.internet import defer
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -46,7 +46,7 @@ def pod_workload(uid: str, workload_info, mesh, node_name: str | None) -> Worklo
             protocol="HBONE",
             node=node_name or "",
         )
-    return attr.evolve(
+    return attrs.evolve(
         discovered,
         uid=uid,
         name=workload_info.name or discovered.name,
@@ -57,6 +57,7 @@ def pod_workload(uid: str, workload_info, mesh, node_name: str | None) -> Worklo
 
 
 @implementer(IPodManager)
+@attrs.define(eq=False)
 class PodProxies:
     """Serves each pod the node agent adds, inside its network namespace.
 
@@ -65,12 +66,14 @@ class PodProxies:
     running pods' proxies know of them (see :func:`pod_workload`).
     """
 
-    def __init__(self, node: Node, events: IDrainEvents):
-        self.node = node
-        self.events = events
-        self._running: dict[str, Workload] = {}
-        self._infos: dict[str, object] = {}
-        node.workloads.on_mesh_replaced.append(self.discovery_changed)
+    node: Node
+    events: IDrainEvents
+    _running: dict[str, Workload] = attrs.field(init=False, factory=dict)
+    #: the node agent's workload info of each running pod, to work out its workload again
+    _infos: dict[str, object] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.node.workloads.on_mesh_replaced.append(self.discovery_changed)
 
     def add_pod(self, uid, workload_info, netns) -> defer.Deferred:
         workloads = self.node.workloads

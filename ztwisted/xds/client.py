@@ -75,12 +75,17 @@ class NodeInfo:
         )
 
 
+def _by_type() -> dict[str, dict]:
+    """An empty entry for each subscribed type."""
+    return {type_url: {} for type_url in _DECODERS}
+
+
+@attrs.define(eq=False)
 class XdsState:
     """The accepted resources of each type, by name, and their versions."""
 
-    def __init__(self) -> None:
-        self.resources: dict[str, dict[str, Workload | Service | Policy]] = {t: {} for t in _DECODERS}
-        self.versions: dict[str, dict[str, str]] = {t: {} for t in _DECODERS}
+    resources: dict[str, dict[str, Workload | Service | Policy]] = attrs.field(factory=_by_type)
+    versions: dict[str, dict[str, str]] = attrs.field(factory=_by_type)
 
     def mesh(self) -> Mesh:
         return _mesh_of(self.resources)

@@ -160,19 +160,22 @@ class GrpcConnection(HBONEConnection):
 
 
 @implementer(IPipeEnd)
+@attrs.define(eq=False)
 class GrpcCall:
     """The proxy's end of one call: unframes what the server sends, frames what we send.
 
     ``done`` fires with None on grpc-status OK and fails with :class:`GrpcError` otherwise.
     """
 
-    def __init__(self, stream: Stream, method: str, on_message: Callable[[bytes], None]):
-        self.stream = stream
-        self.method = method
-        self.on_message = on_message
-        self.done: defer.Deferred = defer.Deferred()
-        self._buffer = bytearray()
-        stream.response.addCallbacks(self._answered, self._refused)
+    stream: Stream
+    method: str
+    on_message: Callable[[bytes], None]
+    done: defer.Deferred = attrs.field(init=False, factory=defer.Deferred)
+    #: what the server sent that is not a whole message yet
+    _buffer: bytearray = attrs.field(init=False, factory=bytearray)
+
+    def __attrs_post_init__(self) -> None:
+        self.stream.response.addCallbacks(self._answered, self._refused)
 
     # -- what we send ----------------------------------------------------------
 

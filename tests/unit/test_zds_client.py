@@ -256,6 +256,24 @@ def test_repeated_add_with_a_new_netns_replaces_the_proxy(harness, own_netns, ot
 
 
 @pytest_twisted.inlineCallbacks
+def test_a_replaced_proxy_starts_only_after_the_old_one_is_removed(harness, own_netns, other_netns):
+    # The old proxy's removal closes whatever the node holds under the uid; started
+    # earlier, the new proxy's listeners and network would be closed with it.
+    agent = yield harness.start()
+    yield complete_snapshot(agent, own_netns, "pod-a")
+    harness.manager.hold_removals = True
+    agent.send(add("pod-a"), [other_netns.fileno()])
+    yield no_datagram_within(agent, 0.2)
+    assert harness.manager.methods() == [("add_pod", "pod-a"), ("remove_pod", "pod-a")]
+    harness.manager.held["pod-a"].callback(None)
+    reply, _, _ = yield agent.next()
+    assert wire.decode_response(reply).ok
+    assert harness.manager.methods()[-1] == ("add_pod", "pod-a")
+    assert harness.manager.calls[-1].netns_inode == other_netns.inode
+    assert harness.manager.running_pods() == {"pod-a"}
+
+
+@pytest_twisted.inlineCallbacks
 def test_requests_are_handled_one_at_a_time_in_order(harness, own_netns):
     agent = yield harness.start()
     yield complete_snapshot(agent, own_netns, "pod-a", "pod-b")

@@ -482,8 +482,12 @@ class _Pods:
                 netns.close()  # same pod, same namespace: nothing to do
                 return defer.succeed("")
             # The pod sandbox was re-created: its old namespace (and proxy) are gone.
+            # The old proxy's removal ends with closing the listeners, connections
+            # and network of whatever the node holds under this uid, so the new one
+            # starts only after it (the Ack waits, as for a Del).
             log.info("pod {uid} came back with a new network namespace; replacing its proxy", uid=uid)
-            self._remove(uid)
+            removed = self._remove(uid)
+            return removed.addCallback(lambda _: self._start(uid, request.workload_info, netns))
         previous = self._pending.pop(uid, None)
         if previous is not None and previous.netns is not netns:
             previous.netns.close()

@@ -211,7 +211,6 @@ def test_the_checks_can_fail():
 #: Over the size limits and not yet split (issue 12 asks for none). The last six went over when
 #: ``ruff format`` put one argument a line. A new entry here is a step back; a fixed one must go.
 OVER_SIZE = {
-    "tools/lab/scenario.py:_run",
     "tools/control_plane.py:main",
     "config.py:_Reader",
     "hbone/inbound.py:connectionMade",

@@ -211,11 +211,9 @@ def test_the_checks_can_fail():
 #: Over the size limits and not yet split (issue 12 asks for none). The last six went over when
 #: ``ruff format`` put one argument a line. A new entry here is a step back; a fixed one must go.
 OVER_SIZE = {
-    "tools/control_plane.py:main",
     "config.py:_Reader",
     "hbone/inbound.py:connectionMade",
     "inpod/client.py:ZdsClient",
-    "tools/control_plane.py:__call__",
 }
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60

@@ -208,8 +208,8 @@ def test_the_checks_can_fail():
     assert connection_uses(UPWARD_AND_DRAINING) == ([5, 7], [6, 7])
 
 
-#: Over the size limits and not yet split (issue 12 asks for none). The last six went over when
-#: ``ruff format`` put one argument a line. A new entry here is a step back; a fixed one must go.
+#: Over the size limits and not yet split (issue 12 asks for none). A new entry here is a step
+#: back; a fixed one must go.
 OVER_SIZE = {
     "config.py:_Reader",
     "hbone/inbound.py:connectionMade",

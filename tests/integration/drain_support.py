@@ -38,6 +38,7 @@ from tests.support import echo_through, wait_until
 from ztwisted.ca import CertificateAuthority, IssuedCertificate
 from ztwisted.identity import SpiffeId
 from ztwisted.tools.harness import NodeProcess, socks5_connect
+from ztwisted.tools.workers import Workers
 
 MAX_STREAM_ID = 2**31 - 1
 CANCEL = 0x8
@@ -572,23 +573,21 @@ class ShortConnections:
         self.made = 0
         self.bytes_verified = 0
         self.failures: list[str] = []
+        self.seed = seed
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(seed + i,), daemon=True) for i in range(clients)]
+        self._workers = Workers()
 
     def start(self) -> ShortConnections:
-        for thread in self._threads:
-            thread.start()
+        for i in range(self.clients):
+            self._workers.spawn(self._client, self.seed + i)
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(30)
+        self._workers.stop(30)
 
     def _client(self, seed: int) -> None:
         rng = random.Random(seed)
-        while not self._stop.is_set():
+        while not self._workers.stopping.is_set():
             payload = rng.randbytes(rng.randint(1024, 64 * 1024))
             try:
                 with socks5_connect(self.proxy, self.source_ip, self.host, self.port, timeout=10) as sock:

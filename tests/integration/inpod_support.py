@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from tests.support import TEST_NET, echo_until_eof, listening_socket, mesh_workload
-from ztwisted.tools.harness import NodeProcess  # standard library only, as the apps below need
+from ztwisted.tools.harness import NodeProcess, last_log_lines  # standard library only, as the apps below need
 from ztwisted.tools.system import cannot_set_up_network
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -333,10 +333,7 @@ class AgentProcess:
         return sum(1 for proxy in self.status()["proxies"] if proxy["hello_version"] == 1) >= count
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return last_log_lines(self.log_path, lines)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

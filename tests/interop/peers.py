@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ztwisted.ca import CertificateAuthority
 from ztwisted.identity import SpiffeId
+from ztwisted.tools.harness import json_events, last_log_lines, read_log
 
 PEERS_DIR = Path(__file__).resolve().parent.parent / "peers"
 NODE_SCRIPT = PEERS_DIR / "node_hbone.js"
@@ -150,26 +151,13 @@ class PeerProcess:
         return self.process is not None and self.process.poll() is None
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:]) or "(empty log)"
+        return last_log_lines(self.log_path, lines)
 
     def events(self, kind: str | None = None) -> list[dict]:
-        found = []
-        for line in self.log_text().splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and (kind is None or event.get("event") == kind):
-                found.append(event)
-        return found
+        return [event for event in json_events(self.log_text()) if kind is None or event.get("event") == kind]
 
     def wait_for_event(self, kind: str, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -334,8 +322,5 @@ class EnvoyPeer(PeerProcess):
 
     def log_tail(self, lines: int = 40) -> str:
         tail = super().log_tail(lines)
-        try:
-            access = self.access_log_path.read_text(errors="replace").strip()
-        except OSError:
-            access = ""
+        access = read_log(self.access_log_path).strip()
         return f"{tail}\n--- access log ---\n{access or '(empty)'}"

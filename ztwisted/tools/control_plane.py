@@ -33,11 +33,13 @@ import sys
 import textwrap
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from concurrent import futures
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import attrs
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -131,6 +133,31 @@ def check_token(context, token: str | None) -> None:
         )
 
 
+@attrs.define
+class _AdsStream:
+    """One DeltaAggregatedResources stream: its entry in /state, its queue of events, and what its client holds.
+
+    Events are ``("request", request)``, ``("changed", None)`` when the mesh
+    changed, and ``("end", None)`` when the client's side of the stream ended.
+    """
+
+    info: dict
+    events: queue.Queue = attrs.field(factory=queue.Queue)
+    #: per type URL subscribed to: the client's resources, name -> version
+    sent: dict[str, dict[str, str]] = attrs.field(factory=dict)
+    nonces: Iterator[int] = attrs.field(factory=lambda: iter(range(1, 1 << 62)))
+
+
+def _read_requests(requests, events: queue.Queue) -> None:
+    """Put the client's requests on the stream's queue as they come (gRPC's iterator blocks), then its end."""
+    try:
+        for request in requests:
+            events.put(("request", request))
+    except Exception:
+        pass  # a broken stream ends like a closed one
+    events.put(("end", None))
+
+
 class AdsServicer:
     """DeltaAggregatedResources: wildcard subscriptions, full state then deltas, removals on resume."""
 
@@ -141,67 +168,66 @@ class AdsServicer:
 
     def __call__(self, requests, context):
         check_token(context, self.token)
-        store = self.store
-        stream_id = next(self._ids)
-        events: queue.Queue = queue.Queue()
-        info = {
-            "peer": context.peer(),
-            "node": None,
-            "acks": 0,
-            "nacks": [],
-            "open": True,
-            "metadata": {k: v for k, v in context.invocation_metadata() if k != "authorization"},
-        }
-        with store.lock:
-            store.listeners.append(events)
-            store.streams[stream_id] = info
-
-        def read():
-            try:
-                for request in requests:
-                    events.put(("request", request))
-            except Exception:
-                pass
-            events.put(("end", None))
-
-        threading.Thread(target=read, daemon=True).start()
-        sent: dict[str, dict[str, str]] = {}
-        nonces = iter(range(1, 1 << 62))
+        stream = self._open(context)
+        threading.Thread(target=_read_requests, args=(requests, stream.events), daemon=True).start()
         try:
             while True:
-                kind, request = events.get()
+                kind, request = stream.events.get()
                 if kind == "end":
                     return
                 if kind == "request":
-                    if request.HasField("node"):
-                        info["node"] = request.node.id
-                    if request.response_nonce:
-                        if request.HasField("error_detail"):
-                            info["nacks"].append(
-                                {
-                                    "type_url": request.type_url,
-                                    "nonce": request.response_nonce,
-                                    "error": request.error_detail.message,
-                                }
-                            )
-                        else:
-                            info["acks"] += 1
-                        continue
-                    if request.type_url in (ADDRESS_TYPE, AUTHORIZATION_TYPE) and request.type_url not in sent:
-                        # First request of this type: the client's versions say what it holds.
-                        sent[request.type_url] = dict(request.initial_resource_versions)
-                        response = self._delta(request.type_url, sent, next(nonces), force=True)
+                    yield from self._answer(request, stream)
+                else:  # the mesh changed: every subscribed type gets what changed for it
+                    for type_url in list(stream.sent):
+                        response = self._delta(type_url, stream.sent, next(stream.nonces))
                         if response is not None:
                             yield response
-                    continue
-                for type_url in list(sent):
-                    response = self._delta(type_url, sent, next(nonces))
-                    if response is not None:
-                        yield response
         finally:
-            info["open"] = False
-            with store.lock:
-                store.listeners.remove(events)
+            stream.info["open"] = False
+            with self.store.lock:
+                self.store.listeners.remove(stream.events)
+
+    def _open(self, context) -> _AdsStream:
+        """A new stream, shown in /state and told of mesh changes."""
+        stream_id = next(self._ids)
+        stream = _AdsStream(
+            info={
+                "peer": context.peer(),
+                "node": None,
+                "acks": 0,
+                "nacks": [],
+                "open": True,
+                "metadata": {k: v for k, v in context.invocation_metadata() if k != "authorization"},
+            }
+        )
+        with self.store.lock:
+            self.store.listeners.append(stream.events)
+            self.store.streams[stream_id] = stream.info
+        return stream
+
+    def _answer(self, request, stream: _AdsStream):
+        """Count an ACK or NACK of a response; answer a type's first subscription with what the client lacks."""
+        info = stream.info
+        if request.HasField("node"):
+            info["node"] = request.node.id
+        if request.response_nonce:
+            if request.HasField("error_detail"):
+                info["nacks"].append(
+                    {
+                        "type_url": request.type_url,
+                        "nonce": request.response_nonce,
+                        "error": request.error_detail.message,
+                    }
+                )
+            else:
+                info["acks"] += 1
+            return
+        if request.type_url in (ADDRESS_TYPE, AUTHORIZATION_TYPE) and request.type_url not in stream.sent:
+            # First request of this type: the client's versions say what it holds.
+            stream.sent[request.type_url] = dict(request.initial_resource_versions)
+            response = self._delta(request.type_url, stream.sent, next(stream.nonces), force=True)
+            if response is not None:
+                yield response
 
     def _delta(self, type_url, sent, nonce, force=False):
         current = self.store.snapshot()[type_url]
@@ -465,6 +491,40 @@ def _host_port(value: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    state_dir = Path(args.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        ca_dir = state_dir / "ca"
+        ca = CertificateAuthority.load(ca_dir) if (ca_dir / "ca-key.pem").exists() else create_files(ca_dir)
+    except CAError as e:
+        parser.exit(2, f"ztunnel-control-plane: certificate authority: {e}\n")
+    try:
+        store = MeshStore(Path(args.mesh))
+    except ConfigError as e:
+        parser.exit(2, f"ztunnel-control-plane: bad mesh:\n{e}\n")
+    host, _ = _host_port(args.listen)
+    cert_pem, key_pem = serving_certificate(
+        ca, [host, "localhost", "istiod.istio-system.svc", *args.server_name], state_dir
+    )
+    server = _grpc_server(store, ca, args, key_pem, cert_pem)
+    server.start()
+    _serve_api(store, args.api)
+    print(
+        f"ztunnel-control-plane (lab/test only): xDS and CA on https://{args.listen}, API on http://{args.api}, "
+        f"root certificate {state_dir / ROOT_CERT}",
+        flush=True,
+    )
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        pass
+    server.stop(0)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ztunnel-control-plane",
         description=textwrap.fill(
@@ -508,25 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         help="require this bearer token on xDS and CA calls "
         "(ztunnel sends AUTH_TOKEN's token as authorization: Bearer ...)",
     )
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _grpc_server(store: MeshStore, ca: CertificateAuthority, args: argparse.Namespace, key_pem: bytes, cert_pem: bytes):
+    """The gRPC server (not started yet) of xDS and the CA on ``--listen``, over TLS with the serving certificate."""
     import grpc
-
-    state_dir = Path(args.state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        ca_dir = state_dir / "ca"
-        ca = CertificateAuthority.load(ca_dir) if (ca_dir / "ca-key.pem").exists() else create_files(ca_dir)
-    except CAError as e:
-        parser.exit(2, f"ztunnel-control-plane: certificate authority: {e}\n")
-    try:
-        store = MeshStore(Path(args.mesh))
-    except ConfigError as e:
-        parser.exit(2, f"ztunnel-control-plane: bad mesh:\n{e}\n")
-    host, port = _host_port(args.listen)
-    cert_pem, key_pem = serving_certificate(
-        ca, [host, "localhost", "istiod.istio-system.svc", *args.server_name], state_dir
-    )
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     ads = grpc.stream_stream_rpc_method_handler(
@@ -550,23 +597,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     server.add_secure_port(args.listen, grpc.ssl_server_credentials([(key_pem, cert_pem)]))
-    server.start()
+    return server
 
+
+def _serve_api(store: MeshStore, address: str) -> None:
+    """The HTTP API on ``address``, served from a thread of its own."""
     ApiHandler.store = store
-    api_host, api_port = _host_port(args.api)
+    api_host, api_port = _host_port(address)
     api = ThreadingHTTPServer((api_host, api_port), ApiHandler)
     threading.Thread(target=api.serve_forever, daemon=True).start()
-    print(
-        f"ztunnel-control-plane (lab/test only): xDS and CA on https://{args.listen}, API on http://{args.api}, "
-        f"root certificate {state_dir / ROOT_CERT}",
-        flush=True,
-    )
-    try:
-        server.wait_for_termination()
-    except KeyboardInterrupt:
-        pass
-    server.stop(0)
-    return 0
 
 
 if __name__ == "__main__":

@@ -130,20 +130,10 @@ class NodeProcess:
         return metric_sum(self.metrics(), name, **labels)
 
     def log_events(self) -> list[dict]:
-        events = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    pass
-        return events
+        return json_events(read_log(self.log_path))
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return last_log_lines(self.log_path, lines)
 
     def rss_bytes(self) -> int:
         with open(f"/proc/{self.process.pid}/status") as f:
@@ -168,6 +158,33 @@ class NodeProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def read_log(path: Path) -> str:
+    """A process's log (its stdout and stderr) as it is now; empty if it has written none yet."""
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def last_log_lines(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a process's log, for an error message."""
+    return "\n".join(read_log(path).splitlines()[-lines:]) or "(no log)"
+
+
+def json_events(log: str) -> list[dict]:
+    """The JSON objects among a log's lines (the other lines, such as a traceback, are skipped)."""
+    events = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+    return events
 
 
 def metric_sum(exposition: str, name: str, **labels) -> float:

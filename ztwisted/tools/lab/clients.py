@@ -26,6 +26,7 @@ import attr
 
 from ztwisted.tools.harness import Socks5Refused, socks5_connect
 from ztwisted.tools.lab.protocol import ClosedEarly, FrameReader, ProtocolError, Request, encode_request, read_response
+from ztwisted.tools.workers import Workers
 
 
 def socks5_connector(proxy: tuple[str, int], source_ip: str, host: str, port: int) -> Callable[[float], socket.socket]:
@@ -168,8 +169,7 @@ class _App:
         self.idle_closes = 0  # keep-alive connections the server closed between requests
         #: requests planned at or after this (seconds since the start) are not sent
         self.deadline = float("inf")
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._workers = Workers()
         self._lock = threading.Lock()
 
     def _connect(self, record: RequestRecord) -> tuple[socket.socket, float]:
@@ -211,9 +211,7 @@ class _App:
         record.detail = f"{type(error).__name__}: {error}"
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout)
+        self._workers.stop(timeout)
 
 
 class PoolingApp(_App):
@@ -221,11 +219,7 @@ class PoolingApp(_App):
 
     def start(self, clock: Clock) -> PoolingApp:
         for index in range(self.traffic.pool_connections):
-            thread = threading.Thread(
-                target=self._connection, args=(clock, index), name=f"{self.name}-{index}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
+            self._workers.spawn(self._connection, clock, index, name=f"{self.name}-{index}")
         return self
 
     def _connection(self, clock: Clock, index: int) -> None:
@@ -237,7 +231,7 @@ class PoolingApp(_App):
         sock: socket.socket | None = None
         try:
             while planned < self.deadline:
-                if self._stop.wait(max(0.0, planned - clock())):
+                if self._workers.stopping.wait(max(0.0, planned - clock())):
                     return
                 request = maker.make()
                 record = RequestRecord(self.name, request.request_id, planned, len(request.payload))
@@ -271,16 +265,14 @@ class PerRequestApp(_App):
 
     def start(self, clock: Clock) -> PerRequestApp:
         self._executor = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix=self.name, initializer=self.enter)
-        thread = threading.Thread(target=self._schedule, args=(clock,), name=f"{self.name}-schedule", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._workers.spawn(self._schedule, clock, name=f"{self.name}-schedule")
         return self
 
     def _schedule(self, clock: Clock) -> None:
         rng = random.Random(f"{self.seed}/{self.name}")
         maker = RequestMaker(rng, self.traffic, 1 << 40)
         planned = rng.expovariate(self.traffic.request_rate)
-        while planned < self.deadline and not self._stop.wait(max(0.0, planned - clock())):
+        while planned < self.deadline and not self._workers.stopping.wait(max(0.0, planned - clock())):
             request = maker.make()
             record = RequestRecord(self.name, request.request_id, planned, len(request.payload))
             self._executor.submit(self._one, clock, request, record)

@@ -154,77 +154,87 @@ def measure(raw: dict) -> dict:
     opening = [r for r in in_window if r.new_connection and r.tunnel_open is not None]
     first_bytes = [r.first_byte for r in in_window if r.new_connection and r.first_byte is not None]
     scrapes = raw["scrapes"]
-    window_a = delta(scrapes["after"]["a"], scrapes["before"]["a"])
-    window_b = delta(scrapes["after"]["b"], scrapes["before"]["b"])
-    # Node B (always ztwisted) counts the HBONE connections it accepted: those closed plus the change in
-    # those open; its handshake failures are labelled reason="inbound".
-    accepted_by_b = total(window_b, "ztwisted_hbone_connections_closed_total", direction="inbound") + (
-        total(scrapes["after"]["b"], "ztwisted_hbone_connections", direction="inbound")
-        - total(scrapes["before"]["b"], "ztwisted_hbone_connections", direction="inbound")
-    )
-    failed_at_b = total(window_b, "ztwisted_tls_handshake_failures_total", reason="inbound")
-    client_proxy = raw.get("client_proxy", "ztwisted")
-    if client_proxy == "ztwisted":
-        counted_at = "node A's metrics (ztwisted_pool_connections_opened_total)"
-        opened = total(window_a, "ztwisted_pool_connections_opened_total")
-        handshake_failures = total(window_a, "ztwisted_tls_handshake_failures_total")
-    else:  # ztunnel counts no pool connections: node B's side of them
-        counted_at = "node B's metrics (HBONE connections accepted, inbound TLS handshake failures)"
-        opened, handshake_failures = accepted_by_b, failed_at_b
-    wire = raw.get("wire_connections") or []
-    answered_by: dict[str, int] = {}
-    for record in records:
-        if record.ok:
-            answered_by[record.server] = answered_by.get(record.server, 0) + 1
-    apps = sorted({r.app for r in records})
+    # what each node's metrics counted during the termination window
+    window = {node: delta(scrapes["after"][node], scrapes["before"][node]) for node in ("a", "b")}
     return {
         "requests": {
             **request_counts(records),
-            "per_app": {app: request_counts([r for r in records if r.app == app]) for app in apps},
+            "per_app": {
+                app: request_counts([r for r in records if r.app == app]) for app in sorted({r.app for r in records})
+            },
             "in_window": request_counts(in_window),
             "by_phase": _by_phase(records, events),
         },
         "bytes": byte_counts(records),
-        "answered_by": dict(sorted(answered_by.items())),
-        "hbone": {
-            "counted_at": counted_at,
-            "opened_by_a_in_window": int(opened),
-            "tls_handshakes_by_a_in_window": int(opened + handshake_failures),
-            "accepted_by_b_in_window": int(accepted_by_b),
-            "tls_handshake_failures_at_b_in_window": int(failed_at_b),
-            "opened_seen_by_destination": (
-                wire_openings(wire, terminating)
-                if raw.get("pool_source") == "wire"
-                else openings_seen(raw["pool"], terminating)
-            ),
-            "connect_attempts_seen_by_destination": wire_openings(wire, terminating, attempts=True) if wire else None,
-            "seen_on": "the client pods' TCP tables"
-            if raw.get("pool_source") == "wire"
-            else "node A's /config_dump pool",
-            "closed_in_window": {
-                "a": _ended_by(window_a, "outbound"),
-                "b": _ended_by(window_b, "inbound"),
-            },
-        },
+        "answered_by": _answered_by(records),
+        "hbone": _hbone_in_window(raw, window, terminating),
         "tunnel_open": latency_summary([r.tunnel_open for r in opening]),
         "first_response_byte": latency_summary(first_bytes),
         "pool_to_b1": pool_leftovers(raw["pool"], event_time(events, "teardown")),
         "delete_to_ack_s": raw["ack"]["delete_to_ack_s"],
         "delete_status": raw["ack"]["status"],
-        "cpu_s": {
-            node: {
-                "run": round(scrapes["after"]["cpu"][node] - scrapes["start"]["cpu"][node], 3),
-                "window": round(scrapes["after"]["cpu"][node] - scrapes["before"]["cpu"][node], 3),
-            }
-            for node in ("a", "b")
-        },
-        "drain_events": {
-            "a": _drain_events(window_a),
-            "b": _drain_events(window_b),
-        },
+        "cpu_s": _cpu_seconds(scrapes),
+        "drain_events": {node: _drain_events(window[node]) for node in ("a", "b")},
         "apps": raw["apps"],
         "b1_exit": raw["b1_exit"],
         "window_s": None if terminating is None or stopped is None else round(stopped - terminating, 3),
+    }
+
+
+def _answered_by(records: list[RequestRecord]) -> dict[str, int]:
+    """Succeeded requests per server pod that answered them."""
+    answered_by: dict[str, int] = {}
+    for record in records:
+        if record.ok:
+            answered_by[record.server] = answered_by.get(record.server, 0) + 1
+    return dict(sorted(answered_by.items()))
+
+
+def _hbone_in_window(raw: dict, window: dict[str, dict[str, float]], terminating: float | None) -> dict:
+    """Node A's HBONE connections to node B during the termination window: opened, handshakes, and how they ended."""
+    scrapes = raw["scrapes"]
+    # Node B (always ztwisted) counts the HBONE connections it accepted: those closed plus the change in
+    # those open; its handshake failures are labelled reason="inbound".
+    accepted_by_b = total(window["b"], "ztwisted_hbone_connections_closed_total", direction="inbound") + (
+        total(scrapes["after"]["b"], "ztwisted_hbone_connections", direction="inbound")
+        - total(scrapes["before"]["b"], "ztwisted_hbone_connections", direction="inbound")
+    )
+    failed_at_b = total(window["b"], "ztwisted_tls_handshake_failures_total", reason="inbound")
+    if raw.get("client_proxy", "ztwisted") == "ztwisted":
+        counted_at = "node A's metrics (ztwisted_pool_connections_opened_total)"
+        opened = total(window["a"], "ztwisted_pool_connections_opened_total")
+        handshake_failures = total(window["a"], "ztwisted_tls_handshake_failures_total")
+    else:  # ztunnel counts no pool connections: node B's side of them
+        counted_at = "node B's metrics (HBONE connections accepted, inbound TLS handshake failures)"
+        opened, handshake_failures = accepted_by_b, failed_at_b
+    wire = raw.get("wire_connections") or []
+    from_wire = raw.get("pool_source") == "wire"
+    return {
+        "counted_at": counted_at,
+        "opened_by_a_in_window": int(opened),
+        "tls_handshakes_by_a_in_window": int(opened + handshake_failures),
+        "accepted_by_b_in_window": int(accepted_by_b),
+        "tls_handshake_failures_at_b_in_window": int(failed_at_b),
+        "opened_seen_by_destination": (
+            wire_openings(wire, terminating) if from_wire else openings_seen(raw["pool"], terminating)
+        ),
+        "connect_attempts_seen_by_destination": wire_openings(wire, terminating, attempts=True) if wire else None,
+        "seen_on": "the client pods' TCP tables" if from_wire else "node A's /config_dump pool",
+        "closed_in_window": {
+            "a": _ended_by(window["a"], "outbound"),
+            "b": _ended_by(window["b"], "inbound"),
+        },
+    }
+
+
+def _cpu_seconds(scrapes: dict) -> dict[str, dict[str, float]]:
+    """CPU seconds each node's proxy used over the whole run and over the termination window."""
+    return {
+        node: {
+            "run": round(scrapes["after"]["cpu"][node] - scrapes["start"]["cpu"][node], 3),
+            "window": round(scrapes["after"]["cpu"][node] - scrapes["before"]["cpu"][node], 3),
+        }
+        for node in ("a", "b")
     }
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import attr
 
 from ztwisted.netns import call_in_netns, enter_netns
+from ztwisted.tools.harness import NodeProcess
 from ztwisted.tools.lab.mesh import APP_PORT, SERVICE_PORT, write_mesh
 from ztwisted.tools.lab.platform import LabError, Platform
 from ztwisted.tools.lab.server import ServerApp
@@ -315,9 +316,26 @@ class NetnsPlatform(Platform):
         self.namespaces = Namespaces(self.addresses.net)
 
     def start(self, node_args: tuple[str, ...]) -> None:
+        check_netns_mode()
+        xds_args = self._start_control_plane()
+        self.cleanup.callback(self.namespaces.destroy)
+        create_lab_namespaces(self.namespaces, self.addresses)
+        self._start_server_apps()
+        self.agents = {
+            "node-a": self._start_agent("node-a", self.addresses.agent_a),
+            "node-b": self._start_agent("node-b", self.addresses.agent_b),
+        }
+        self.node_b = self._ztwisted_node("node-b", self.addresses.node_b, node_args + xds_args)
+        if self.config.client_proxy == "ztunnel":
+            self._start_ztunnel_node_a()
+        else:
+            self.node_a = self._ztwisted_node("node-a", self.addresses.node_a, node_args + xds_args)
+        self._add_pods()
+
+    def _start_control_plane(self) -> tuple[str, ...]:
+        """The ``ztunnel-control-plane`` serving the lab's mesh; the proxies' arguments to use it for xDS and CA."""
         from ztwisted.tools.control_plane import ControlPlaneProcess
 
-        check_netns_mode()
         addresses = self.addresses
         mesh = self.workdir / "discovery" / "mesh.yaml"
         write_mesh(mesh, addresses)
@@ -333,42 +351,41 @@ class NetnsPlatform(Platform):
             raise LabError(f"cannot start the lab control plane: {e}") from None
         self.cleanup.callback(self.control_plane.stop)
         root = str(self.control_plane.root_cert)
-        xds_args = ("--xds-address", self.control_plane.address, "--xds-root-ca", root, "--ca-root-ca", root)
-        self.cleanup.callback(self.namespaces.destroy)
-        create_lab_namespaces(self.namespaces, addresses)
+        return ("--xds-address", self.control_plane.address, "--xds-root-ca", root, "--ca-root-ca", root)
+
+    def _start_server_apps(self) -> None:
+        """B1's and B2's echo apps, each listening in its pod's namespace."""
+        addresses = self.addresses
         self.b1_app = call_in_netns(self.namespaces.path("b1"), ServerApp("b1", addresses.b1, APP_PORT).start)
         self.cleanup.callback(self.b1_app.close)
         b2 = call_in_netns(self.namespaces.path("b2"), ServerApp("b2", addresses.b2, APP_PORT).start)
         self.cleanup.callback(b2.close)
-        self.agents = {}
-        for node, control_ip in (("node-a", addresses.agent_a), ("node-b", addresses.agent_b)):
-            agent = Agent(f"agent-{node[-1]}", self.workdir / "agents", control_ip)
-            agent.start()
-            self.cleanup.callback(agent.stop)
-            self.agents[node] = agent
-        self.node_b = self.node(
-            "node-b",
-            addresses.node_b,
-            None,
-            node_args + xds_args + ("--inpod-uds", str(self.agents["node-b"].socket_path)),
-        )
-        self.start_node(self.node_b)
-        if self.config.client_proxy == "ztunnel":
-            from ztwisted.tools.lab.ztunnel_client import ZtunnelNodeA
 
-            self.node_a = ZtunnelNodeA(
-                self.namespaces, self.workdir / "node-a", self.control_plane, self.agents["node-a"].socket_path
-            )
-            self.cleanup.callback(self.node_a.stop)
-            self.node_a.start()
-        else:
-            self.node_a = self.node(
-                "node-a",
-                addresses.node_a,
-                None,
-                node_args + xds_args + ("--inpod-uds", str(self.agents["node-a"].socket_path)),
-            )
-            self.start_node(self.node_a)
+    def _start_agent(self, node: str, control_ip: str) -> Agent:
+        """The ``ztunnel-agent`` of ``node``: the lab tells it which pods to hand its proxy, and when."""
+        agent = Agent(f"agent-{node[-1]}", self.workdir / "agents", control_ip)
+        agent.start()
+        self.cleanup.callback(agent.stop)
+        return agent
+
+    def _ztwisted_node(self, name: str, control_ip: str, args: tuple[str, ...]) -> NodeProcess:
+        """A started ``twistd ztunnel --inpod`` for ``name``, served pods by that node's agent."""
+        node = self.node(name, control_ip, None, args + ("--inpod-uds", str(self.agents[name].socket_path)))
+        self.start_node(node)
+        return node
+
+    def _start_ztunnel_node_a(self) -> None:
+        """Istio's ztunnel as node A (``--client-proxy ztunnel``), fed by the same control plane and agent."""
+        from ztwisted.tools.lab.ztunnel_client import ZtunnelNodeA
+
+        self.node_a = ZtunnelNodeA(
+            self.namespaces, self.workdir / "node-a", self.control_plane, self.agents["node-a"].socket_path
+        )
+        self.cleanup.callback(self.node_a.stop)
+        self.node_a.start()
+
+    def _add_pods(self) -> None:
+        """Each node's agent hands its proxy the pods of that node (ZDS Add); every proxy must Ack."""
         for pod, (service_account, node) in PODS.items():
             answer, _ = self.agents[node].call(
                 "add",

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
+
+from ztwisted.tools.workers import Workers
 
 #: the series the lab keeps from each scrape (all labels kept)
 KEPT_METRICS = (
@@ -144,16 +145,14 @@ class Sampler:
         #: {"t", "a": {...}, "b": {...}, "cpu": {"a": s, "b": s}}
         self.metrics: list[dict] = []
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lab-sampler", daemon=True)
+        self._workers = Workers()
 
     def start(self) -> Sampler:
-        self._thread.start()
+        self._workers.spawn(self._run, name="lab-sampler")
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        self._workers.stop(10)
 
     def scrape(self) -> dict:
         """Both nodes' metrics and CPU time now."""
@@ -189,7 +188,7 @@ class Sampler:
     def _run(self) -> None:
         polls = 0
         next_at = time.monotonic()
-        while not self._stop.is_set():
+        while not self._workers.stopping.is_set():
             try:
                 self.pool.append(self.pool_now())
                 if polls % self.metrics_every == 0:
@@ -199,4 +198,4 @@ class Sampler:
                     self.errors.append(f"{self.clock():.2f} s: {type(e).__name__}: {e}")
             polls += 1
             next_at += self.interval
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
+            self._workers.stopping.wait(max(0.0, next_at - time.monotonic()))

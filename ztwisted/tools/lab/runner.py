@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -9,7 +10,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attr
@@ -20,7 +21,7 @@ from ztwisted.tools.lab.measures import event_time, measure, series
 from ztwisted.tools.lab.mesh import Addresses
 from ztwisted.tools.lab.netns import NetnsAddresses, check_netns_mode
 from ztwisted.tools.lab.probes import total
-from ztwisted.tools.lab.scenario import LabConfig, LabError, Strategy, StrategyRun
+from ztwisted.tools.lab.scenario import LabConfig, LabError, Progress, Strategy, StrategyRun
 
 #: what a seed cannot pin down, said in every result
 NOT_DETERMINISTIC = (
@@ -49,6 +50,30 @@ def run_lab(
     config: LabConfig, progress: LabProgress | None = None, *, command: str | None = None, keep_records: bool = False
 ) -> dict:
     """Run every strategy of ``config``; returns the JSON-ready results."""
+    check_config(config)
+    strategies = parse_strategies(config.strategies)
+    started = time.time()
+    results = []
+    with _workdir(config.workdir) as workdir:
+        for index, strategy in enumerate(strategies):
+            report = _strategy_progress(progress, index, len(strategies), strategy.name)
+            run = StrategyRun(config, strategy, workdir / "runs" / strategy.name, workdir / "state", report)
+            results.append(strategy_result(run.run(), keep_records=keep_records))
+    return {
+        "lab": _lab_description(
+            config,
+            strategies,
+            results,
+            command=command,
+            started=started,
+            workdir=None if config.workdir is None else str(workdir),
+        ),
+        "strategies": results,
+    }
+
+
+def check_config(config: LabConfig) -> None:
+    """LabError if ``config`` cannot run here: a bad timeline, proxy or mode, or netns mode without its tools."""
     config.timeline.check()
     if config.client_proxy not in ("ztwisted", "ztunnel"):
         raise LabError(f"--client-proxy must be ztwisted or ztunnel, not {config.client_proxy!r}")
@@ -58,53 +83,69 @@ def run_lab(
         check_netns_mode()
     elif config.mode != "loopback":
         raise LabError(f"--mode must be loopback or netns, not {config.mode!r}")
-    strategies = parse_strategies(config.strategies)
-    temporary = config.workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="ztunnel-lab-")) if temporary else Path(config.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    results = []
+
+
+@contextlib.contextmanager
+def _workdir(configured: Path | None) -> Iterator[Path]:
+    """The configured working directory, or a temporary one that goes when the runs are done."""
+    if configured is not None:
+        workdir = Path(configured)
+        workdir.mkdir(parents=True, exist_ok=True)
+        yield workdir
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="ztunnel-lab-"))
     try:
-        for index, strategy in enumerate(strategies):
-
-            def report(phase, t, ok, failed, index=index, strategy=strategy):
-                if progress is not None:
-                    progress(index, len(strategies), strategy.name, phase, t, ok, failed)
-
-            run = StrategyRun(config, strategy, workdir / "runs" / strategy.name, workdir / "state", report)
-            results.append(strategy_result(run.run(), keep_records=keep_records))
+        yield workdir
     finally:
-        if temporary:
-            shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _strategy_progress(progress: LabProgress | None, index: int, count: int, name: str) -> Progress:
+    """One strategy run's progress callback: ``progress`` told which strategy of how many it is."""
+
+    def report(phase, t, ok, failed):
+        if progress is not None:
+            progress(index, count, name, phase, t, ok, failed)
+
+    return report
+
+
+def _lab_description(
+    config: LabConfig,
+    strategies: list[Strategy],
+    results: list[dict],
+    *,
+    command: str | None,
+    started: float,
+    workdir: str | None,
+) -> dict:
+    """The results' ``lab`` part: how the lab ran (settings, addresses, machine, time) and what it approximated."""
     approximations = list(dict.fromkeys(a for result in results for a in result["approximations"]))
     if config.client_proxy == "ztunnel":
         from ztwisted.tools.lab.ztunnel_client import ZTUNNEL_NOTES
 
         approximations += ZTUNNEL_NOTES
     return {
-        "lab": {
-            "command": command,
-            "mode": config.mode,
-            "client_proxy": config.client_proxy,
-            "seed": config.seed,
-            "strategies": [s.name for s in strategies],
-            "timeline_s": config.timeline.as_json(),
-            "traffic": attr.asdict(config.traffic),
-            "proxies": {
-                "keepalive_interval_s": config.keepalive_interval,
-                "keepalive_timeout_s": config.keepalive_timeout,
-                "pod_drain_timeout_s": config.pod_drain_timeout,
-                "drain_timeout_s": config.drain_timeout,
-            },
-            "addresses": _addresses(NetnsAddresses(config.net) if config.mode == "netns" else Addresses(config.net)),
-            "machine": machine(),
-            "started_at": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds"),
-            "took_s": round(time.time() - started, 1),
-            "workdir": None if temporary else str(workdir),
-            "approximations": approximations,
-            "not_deterministic": list(NOT_DETERMINISTIC),
+        "command": command,
+        "mode": config.mode,
+        "client_proxy": config.client_proxy,
+        "seed": config.seed,
+        "strategies": [s.name for s in strategies],
+        "timeline_s": config.timeline.as_json(),
+        "traffic": attr.asdict(config.traffic),
+        "proxies": {
+            "keepalive_interval_s": config.keepalive_interval,
+            "keepalive_timeout_s": config.keepalive_timeout,
+            "pod_drain_timeout_s": config.pod_drain_timeout,
+            "drain_timeout_s": config.drain_timeout,
         },
-        "strategies": results,
+        "addresses": _addresses(NetnsAddresses(config.net) if config.mode == "netns" else Addresses(config.net)),
+        "machine": machine(),
+        "started_at": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds"),
+        "took_s": round(time.time() - started, 1),
+        "workdir": workdir,
+        "approximations": approximations,
+        "not_deterministic": list(NOT_DETERMINISTIC),
     }
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attr
+import attrs
 
 from ztwisted.tools.lab.clients import Clock, PerRequestApp, PoolingApp, Recorder, Traffic
 from ztwisted.tools.lab.loopback import LoopbackPlatform
@@ -140,6 +141,20 @@ def platform_for(config: LabConfig, workdir: Path, state_dir: Path):
     return LoopbackPlatform(config, workdir, state_dir)
 
 
+@attrs.frozen
+class _Shutdown:
+    """What B1's shutdown left to report: the scrape as it began, how B1's app exited, and the Del's Ack."""
+
+    before: dict
+    b1_exit: dict
+    ack: dict
+
+
+def _wire_connections(wire) -> list[dict]:
+    """Node A's HBONE connections as the client pods' TCP tables showed them (netns mode)."""
+    return [{**seen, "namespace": Path(key[0]).name, "local_port": key[2]} for key, seen in wire.connections.items()]
+
+
 class StrategyRun:
     """Runs one strategy's scenario and returns its raw observations (see :func:`measures.measure`)."""
 
@@ -177,19 +192,33 @@ class StrategyRun:
             platform.close()
 
     def _run(self, platform) -> dict:
-        config, timeline = self.config, self.config.timeline
         self.progress("starting proxies and pods", 0.0, 0, 0)
-        platform.start(config.node_args(self.strategy))
+        platform.start(self.config.node_args(self.strategy))
+        self.clock = Clock()
+        self.recorder = Recorder(self.clock)
+        wire = platform.watch_wire(self.clock)
         addresses = platform.addresses
-        cleanup = platform.cleanup
-        self.clock = clock = Clock()
-        self.recorder = recorder = Recorder(clock)
-        wire = platform.watch_wire(clock)
         sampler = Sampler(
-            clock, platform.node_a, platform.node_b, b1_ip=addresses.b1, b2_ip=addresses.b2, wire=wire
+            self.clock, platform.node_a, platform.node_b, b1_ip=addresses.b1, b2_ip=addresses.b2, wire=wire
         ).start()
-        cleanup.callback(sampler.stop)
+        platform.cleanup.callback(sampler.stop)
         start_scrape = sampler.scrape()
+        apps = self._start_apps(platform)
+        self.event("traffic-start")
+        shutdown = self._shut_down_b1(platform, sampler, apps)
+        self.event("traffic-stop")
+        self.progress("stopping apps", self.clock(), self.recorder.ok, self.recorder.failed)
+        for app in apps:
+            app.stop()
+        after = sampler.scrape()
+        sampler.stop()
+        self.event("done")
+        scrapes = {"start": start_scrape, "before": shutdown.before, "after": after}
+        return self._observations(platform, apps, sampler, wire, scrapes, shutdown)
+
+    def _start_apps(self, platform) -> list:
+        """The client pods' apps, sending: one keeps a pool of connections, one opens one per request."""
+        config, recorder = self.config, self.recorder
         apps = [
             PoolingApp(
                 "client-pool",
@@ -207,10 +236,13 @@ class StrategyRun:
             ),
         ]
         for app in apps:
-            app.start(clock)
-            cleanup.callback(app.stop)
-        self.event("traffic-start")
+            app.start(self.clock)
+            platform.cleanup.callback(app.stop)
+        return apps
 
+    def _shut_down_b1(self, platform, sampler: Sampler, apps: list) -> _Shutdown:
+        """B1's shutdown, from the warm-up to the end of observing, as the timeline says."""
+        timeline = self.config.timeline
         # Events happen at planned times (from the start of traffic), so every strategy sends the same
         # schedule for the same time; a step that overruns (a slow Ack) pushes the rest back.
         planned = timeline.warmup
@@ -240,33 +272,25 @@ class StrategyRun:
         for app in apps:
             app.deadline = planned  # the same schedule, whenever this thread gets to stop them
         self.wait_until(planned, "observing")
+        return _Shutdown(before=before, b1_exit=exit_report, ack=ack)
 
-        self.event("traffic-stop")
-        self.progress("stopping apps", self.clock(), recorder.ok, recorder.failed)
-        for app in apps:
-            app.stop()
-        after = sampler.scrape()
-        sampler.stop()
-        self.event("done")
+    def _observations(self, platform, apps: list, sampler: Sampler, wire, scrapes: dict, shutdown: _Shutdown) -> dict:
+        """The run's raw observations, as :func:`measures.measure` reads them."""
         return {
             "strategy": self.strategy.name,
             "components": list(self.strategy.components),
             "delete_before_teardown": self.strategy.delete_before_teardown,
             "mode": platform.mode,
             "events": self.events,
-            "records": recorder.records,
+            "records": self.recorder.records,
             "pool": sampler.pool,
             "pool_source": "wire" if wire is not None else "config_dump",
-            "wire_connections": []
-            if wire is None
-            else [
-                {**seen, "namespace": Path(key[0]).name, "local_port": key[2]} for key, seen in wire.connections.items()
-            ],
-            "client_proxy": getattr(config, "client_proxy", "ztwisted"),
+            "wire_connections": [] if wire is None else _wire_connections(wire),
+            "client_proxy": getattr(self.config, "client_proxy", "ztwisted"),
             "metrics": sampler.metrics,
-            "scrapes": {"start": start_scrape, "before": before, "after": after},
-            "ack": ack,
-            "b1_exit": exit_report,
+            "scrapes": scrapes,
+            "ack": shutdown.ack,
+            "b1_exit": shutdown.b1_exit,
             "apps": {
                 app.name: {"connections_opened": app.connections_opened, "idle_closes": app.idle_closes} for app in apps
             },

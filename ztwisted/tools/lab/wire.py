@@ -22,6 +22,7 @@ import struct
 import threading
 
 from ztwisted.netns import enter_netns
+from ztwisted.tools.workers import Workers
 
 ESTABLISHED, SYN_SENT, CLOSE_WAIT = 0x01, 0x02, 0x08
 HELD = (ESTABLISHED, CLOSE_WAIT)
@@ -63,21 +64,15 @@ class WireWatch:
         self.connections: dict[tuple, dict] = {}
         self.errors: list[str] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._watch, args=(path,), name=f"lab-wire-{i}", daemon=True)
-            for i, path in enumerate(namespaces)
-        ]
+        self._workers = Workers()
 
     def start(self) -> WireWatch:
-        for thread in self._threads:
-            thread.start()
+        for i, path in enumerate(self.namespaces):
+            self._workers.spawn(self._watch, path, name=f"lab-wire-{i}")
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(5)
+        self._workers.stop(5)
 
     def open_now(self) -> tuple[float | None, dict[str, int]]:
         """(when the oldest of the latest reads was made, connections held then per destination name).
@@ -108,7 +103,7 @@ class WireWatch:
         except OSError as e:
             self.errors.append(f"cannot enter {path}: {e}")
             return
-        while not self._stop.is_set():
+        while not self._workers.stopping.is_set():
             t = round(self.clock(), 4)
             try:
                 with open("/proc/thread-self/net/tcp") as f:
@@ -133,4 +128,4 @@ class WireWatch:
                         seen["established"] = True
                 self._now[path] = held
                 self._read_at[path] = t
-            self._stop.wait(self.interval)
+            self._workers.stopping.wait(self.interval)

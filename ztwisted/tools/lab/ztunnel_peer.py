@@ -49,7 +49,7 @@ import attr
 
 from ztwisted.ca import CertificateAuthority, write_layout
 from ztwisted.netns import call_in_netns
-from ztwisted.tools.harness import http_request, metric_sum
+from ztwisted.tools.harness import http_request, last_log_lines, metric_sum, read_log
 
 ADMIN_PORT = 15000
 METRICS_PORT = 15020
@@ -298,13 +298,10 @@ class ZtunnelPeer:
     # -- what it says -----------------------------------------------------------------
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:]) or "(no log)"
+        return last_log_lines(self.log_path, lines)
 
     def log_lines(self, *words: str) -> list[str]:
         """Log lines that contain every one of ``words``."""

@@ -21,7 +21,7 @@ from twisted.internet.interfaces import (
     IOpenSSLServerConnectionCreator,
 )
 from twisted.logger import Logger
-from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from zope.interface import implementer
 
 from ztwisted.ca import IssuedCertificate
@@ -279,63 +279,20 @@ def negotiated_alpn(connection_or_transport: object) -> bytes | None:
     return connection.get_alpn_proto_negotiated() or None
 
 
-class _WriteThroughTLSTransport(TLSMemoryBIOProtocol):
+class _WriteThroughTLSTransport(BufferingTLSTransport):
     """Twisted's TLS transport over a TCP connection that sends at once (:func:`write_through`).
 
-    Twisted's default TLS transport (``BufferingTLSTransport``) gathers a
-    reactor turn's writes and encrypts them in a ``callLater(0)``: a delayed
-    call per write and a pass through the reactor's timed-call machinery per
-    message (a sixth of a node's Python CPU in ping-pong). The HTTP/2
-    connection already gathers its frames (h2's send buffer, written once per
-    event), so this transport encrypts at once instead, with one rule to keep
-    an event's writes together: what is written while the transport delivers
-    received bytes (one TCP read, any number of HTTP/2 frames and answers) is
-    held and encrypted once delivery is over. Anything that ends TLS
-    (``loseConnection``, the close_notify of a shutdown) sends what is held
-    first; an abort drops it, as an abort drops any unsent data.
-
-    TLS splits a write into 16 KiB records, and OpenSSL hands each to TCP as
-    soon as it is encrypted: sent at once, that would be a ``send`` per
-    record. Here the records of one write are joined and sent together.
+    Twisted makes one TLS write of a reactor turn's writes (at the end of the
+    turn) and splits it into 16 KiB records, handing each record to TCP as
+    soon as it is encrypted. Sent at once, that is a ``send`` per record;
+    here the records of one write are joined and sent together.
     """
 
     _records: list[bytes] | None = None
-    #: writes held while received bytes are delivered (None: not delivering)
-    _held: list[bytes] | None = None
 
     def makeConnection(self, transport) -> None:
         write_through(transport)
         super().makeConnection(transport)
-
-    def dataReceived(self, data: bytes) -> None:
-        if self._held is not None:  # re-entered: the outer delivery sends
-            super().dataReceived(data)
-            return
-        self._held = []
-        try:
-            super().dataReceived(data)
-        finally:
-            self._send_held()
-
-    def write(self, data: bytes) -> None:
-        if self._held is None or (self.disconnecting and self._producer is None):
-            super().write(data)  # (which drops writes once closing, as Twisted's)
-        elif data:
-            self._held.append(data)
-
-    def _send_held(self) -> None:
-        held, self._held = self._held, None
-        if held and not self._aborted:
-            self._write(b"".join(held))
-
-    def loseConnection(self) -> None:
-        self._send_held()
-        super().loseConnection()
-
-    def _shutdownTLS(self) -> None:
-        # The close_notify must follow every byte written before it.
-        self._send_held()
-        super()._shutdownTLS()
 
     def _write(self, data: bytes) -> None:
         if self._records is not None:  # re-entered: the outer call sends
@@ -352,8 +309,7 @@ class _WriteThroughTLSTransport(TLSMemoryBIOProtocol):
     def abortConnection(self) -> None:
         # Twisted's TLS abort writes a close_notify, then aborts TCP, which drops it
         # unsent. Sent at once, it would reach the peer and make the abrupt end look
-        # like a clean one: keep back what the abort encrypts, and what was held.
-        self._held = None
+        # like a clean one: keep back what the abort encrypts.
         self._records = []
         try:
             super().abortConnection()

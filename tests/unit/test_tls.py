@@ -8,7 +8,6 @@ import pytest_twisted
 from OpenSSL import SSL
 from twisted.internet import defer, task
 from twisted.internet.address import IPv4Address
-from twisted.internet.error import ConnectionDone
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.interfaces import (
     IHandshakeListener,
@@ -459,7 +458,7 @@ def test_unexpected_server_fails_over_loopback_tcp(server_cert, client_cert):
 
 
 @defer.inlineCallbacks
-def _tls_factory_client(reactor, server_cert, client_cert, client_protocol=Peer):
+def _tls_factory_client(reactor, server_cert, client_cert):
     """A plain TLS server on loopback and a client connected to it through :func:`tls_factory`."""
     servers: list[Peer] = []
     server_factory = TLSMemoryBIOFactory(
@@ -467,31 +466,8 @@ def _tls_factory_client(reactor, server_cert, client_cert, client_protocol=Peer)
     )
     port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
     endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
-    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(client_protocol)))
+    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer)))
     return port, servers, client_tls
-
-
-def _probe_tcp_writes(client_tls) -> list[bytes]:
-    """What the TLS transport hands its TCP transport from now on (this test's probe only)."""
-    tcp = client_tls.transport
-    tcp_writes: list[bytes] = []
-    send = tcp.write
-    tcp.write = lambda data: (tcp_writes.append(data), send(data))
-    return tcp_writes
-
-
-def _out_of_delivery(reactor) -> defer.Deferred:
-    """Resume on a reactor turn of its own: the handshake Deferred fires while the TLS
-    transport delivers received bytes, when writes are held until the delivery ends."""
-    return task.deferLater(reactor, 0, lambda: None)
-
-
-@defer.inlineCallbacks
-def _until(condition, reactor):
-    deadline = reactor.seconds() + TCP_TIMEOUT
-    while not condition() and reactor.seconds() < deadline:
-        yield task.deferLater(reactor, 0.01, lambda: None)
-    assert condition()
 
 
 @pytest_twisted.inlineCallbacks
@@ -503,14 +479,13 @@ def test_tls_factory_sends_the_records_of_one_write_together(server_cert, client
     client = client_tls.wrappedProtocol
     try:
         assert (yield within(client.handshake, reactor))
-        yield _out_of_delivery(reactor)
         tcp = client_tls.transport
         assert tcp.getTcpNoDelay()
         tcp_writes = []
         send = tcp.write
         tcp.write = lambda data: (tcp_writes.append(len(data)), send(data))  # this test's probe only
         payload = bytes(range(256)) * 256
-        client_tls.write(payload)
+        client_tls.write(payload)  # above Twisted's 64,000-byte aggregation limit: encrypted now
         assert len(tcp_writes) == 1 and tcp_writes[0] > len(payload), tcp_writes
         # Sent at once: nothing waits in Twisted's queue for the next poll.
         assert tcp.dataBuffer[tcp.offset :] == b"" and not tcp._tempDataBuffer
@@ -537,79 +512,6 @@ def test_tls_factory_abort_sends_no_close_notify(server_cert, client_cert):
         tcp.write = lambda data: (tcp_writes.append(data), send(data))  # this test's probe only
         client_tls.abortConnection()
         assert tcp_writes == [], "the abort handed TCP a close_notify"
-        yield within(client.closed, reactor)
-    finally:
-        yield tcp_cleanup(port, client, servers)
-
-
-@pytest_twisted.inlineCallbacks
-def test_tls_factory_encrypts_and_sends_a_small_write_at_once(server_cert, client_cert):
-    """No waiting for the end of the reactor turn: the write is one TCP write before it returns."""
-    from twisted.internet import reactor
-
-    port, servers, client_tls = yield _tls_factory_client(reactor, server_cert, client_cert)
-    client = client_tls.wrappedProtocol
-    try:
-        assert (yield within(client.handshake, reactor))
-        yield _out_of_delivery(reactor)
-        tcp_writes = _probe_tcp_writes(client_tls)
-        client_tls.write(b"small")
-        assert len(tcp_writes) == 1, tcp_writes
-        yield _until(lambda: servers[0].received == b"small", reactor)
-    finally:
-        yield tcp_cleanup(port, client, servers)
-
-
-class _AnswersInPieces(Peer):
-    """Answers each delivery with three writes (as a protocol handling several frames of one read)."""
-
-    def dataReceived(self, data: bytes) -> None:
-        super().dataReceived(data)
-        for piece in (b"one ", b"two ", b"three"):
-            self.transport.write(piece)
-
-
-@pytest_twisted.inlineCallbacks
-def test_tls_factory_sends_the_writes_of_one_delivery_together(server_cert, client_cert):
-    """What the protocol writes while it handles received bytes is one TLS write, sent when it is done."""
-    from twisted.internet import reactor
-
-    port, servers, client_tls = yield _tls_factory_client(reactor, server_cert, client_cert, _AnswersInPieces)
-    client = client_tls.wrappedProtocol
-    try:
-        assert (yield within(client.handshake, reactor))
-        yield _until(lambda: servers and servers[0].handshake_done, reactor)
-        tcp_writes = _probe_tcp_writes(client_tls)
-        servers[0].transport.write(b"go")
-        yield _until(lambda: servers[0].received == b"one two three", reactor)
-        assert client.received == b"go"
-        assert len(tcp_writes) == 1, tcp_writes
-    finally:
-        yield tcp_cleanup(port, client, servers)
-
-
-class _WritesThenCloses(Peer):
-    def dataReceived(self, data: bytes) -> None:
-        super().dataReceived(data)
-        self.transport.write(b"last words")
-        self.transport.loseConnection()
-
-
-@pytest_twisted.inlineCallbacks
-def test_tls_factory_close_while_handling_received_bytes_sends_what_was_written_first(server_cert, client_cert):
-    """A write held during a delivery goes out before the close_notify of a close in that delivery."""
-    from twisted.internet import reactor
-
-    port, servers, client_tls = yield _tls_factory_client(reactor, server_cert, client_cert, _WritesThenCloses)
-    client = client_tls.wrappedProtocol
-    try:
-        assert (yield within(client.handshake, reactor))
-        yield _until(lambda: servers and servers[0].handshake_done, reactor)
-        servers[0].transport.write(b"bye")
-        yield within(servers[0].closed, reactor)
-        assert servers[0].received == b"last words"
-        # A clean TLS close (close_notify), not a lost connection.
-        assert servers[0].lost.check(ConnectionDone), servers[0].lost
         yield within(client.closed, reactor)
     finally:
         yield tcp_cleanup(port, client, servers)

@@ -31,6 +31,7 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from ztwisted.h2 import lean_data
 from ztwisted.h2.admission import StreamAdmission, let_h2_accept_any_number_of_streams
 from ztwisted.h2.events import EventHandlers
 from ztwisted.h2.flow import FlowControl
@@ -183,15 +184,22 @@ class HBONEConnection(Protocol):
             return
         self.keepalive.heard_from_peer()
         try:
-            data, goaways = self._goaway_filter.feed(data)
-            events = self.h2.receive_data(data) if data else []
-        except (h2.exceptions.ProtocolError, FrameLimitExceeded) as e:
+            segments, goaways = self._goaway_filter.segments(data, cut_out_data_frames=lean_data.ENABLED)
+        except FrameLimitExceeded as e:
             self.shutdown.protocol_error(e)
             return
-        for event in events:
-            self._handle_event(event)
-            if self.lifecycle.ending:
+        for segment, whole_data_frame in segments:
+            try:
+                events = lean_data.take_data_frame(self.h2, segment) if whole_data_frame else None
+                if events is None:
+                    events = self.h2.receive_data(segment)
+            except h2.exceptions.ProtocolError as e:
+                self.shutdown.protocol_error(e)
                 return
+            for event in events:
+                self._handle_event(event)
+                if self.lifecycle.ending:
+                    return
         for goaway in goaways:
             self.shutdown.goaway_received(goaway)
         self.send_pending()

@@ -13,7 +13,8 @@ filter is also the one place that sees every frame header as the bytes
 arrive, it enforces the frame-level limits there too, before ``h2`` buffers a
 frame whole: a frame longer than the advertised SETTINGS_MAX_FRAME_SIZE, and
 a header block (HEADERS or PUSH_PROMISE and its CONTINUATION frames) longer
-than a cap.
+than a cap. For the same reason it cuts out the DATA frames that
+:mod:`~ztwisted.h2.lean_data` may take past ``h2`` (:meth:`GoawayFilter.segments`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import attr
 from hyperframe.frame import GoAwayFrame
 
 FRAME_HEADER_LENGTH = 9
+DATA_FRAME_TYPE = 0x00
 HEADERS_FRAME_TYPE = 0x01
 PUSH_PROMISE_FRAME_TYPE = 0x05
 GOAWAY_FRAME_TYPE = 0x07
 CONTINUATION_FRAME_TYPE = 0x09
+END_STREAM_FLAG = 0x01
 END_HEADERS_FLAG = 0x04
+PADDED_FLAG = 0x08
 PROTOCOL_ERROR = 0x1
 FRAME_SIZE_ERROR = 0x6
 ENHANCE_YOUR_CALM = 0xB
@@ -118,20 +122,32 @@ class GoawayFilter:
 
     def feed(self, data: bytes) -> tuple[bytes, list[ReceivedGoaway]]:
         """Return the bytes for ``h2`` and the GOAWAY frames found in ``data``."""
+        segments, goaways = self.segments(data, cut_out_data_frames=False)
+        return b"".join(segment for segment, _ in segments), goaways
+
+    def segments(
+        self, data: bytes, cut_out_data_frames: bool = True
+    ) -> tuple[list[tuple[bytes, bool]], list[ReceivedGoaway]]:
+        """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
+
+        Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each
+        complete DATA frame without padding and without END_STREAM that is not inside a
+        header block is a segment of its own, flagged True (for
+        :func:`~ztwisted.h2.lean_data.take_data_frame`); everything else comes in runs
+        flagged False.
+        """
         if self._pending:
             data = self._pending + data
             self._pending = b""
-        passed: list[bytes] = []
+        segments: list[tuple[bytes, bool]] = []
         goaways: list[ReceivedGoaway] = []
         view = memoryview(data)
         position = 0
         end = len(data)
         if self._preface_left:
-            taken = min(self._preface_left, end)
-            passed.append(view[:taken])
-            self._preface_left -= taken
-            position = taken
-        start_of_run = position
+            position = min(self._preface_left, end)
+            self._preface_left -= position
+        start_of_run = 0
         while position < end:
             if self._skip:
                 step = min(self._skip, end - position)
@@ -142,24 +158,39 @@ class GoawayFilter:
                 break
             length = int.from_bytes(view[position : position + 3], "big")
             frame_type = view[position + 3]
-            self._check_limits(length, frame_type, view[position + 4])
+            flags = view[position + 4]
+            self._check_limits(length, frame_type, flags)
+            frame_end = position + FRAME_HEADER_LENGTH + length
+            if (
+                cut_out_data_frames
+                and frame_type == DATA_FRAME_TYPE
+                and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+                and not self._in_header_block
+                and frame_end <= end
+            ):
+                if start_of_run < position:
+                    segments.append((bytes(view[start_of_run:position]), False))
+                segments.append((bytes(view[position:frame_end]), True))
+                position = start_of_run = frame_end
+                continue
             if frame_type != GOAWAY_FRAME_TYPE:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
                 continue
             if length > MAX_GOAWAY_PAYLOAD:
                 raise GoawayTooLarge(f"GOAWAY frame of {length} bytes")
-            if end - position < FRAME_HEADER_LENGTH + length:
+            if frame_end > end:
                 break
-            passed.append(view[start_of_run:position])
-            payload = bytes(view[position + FRAME_HEADER_LENGTH : position + FRAME_HEADER_LENGTH + length])
+            if start_of_run < position:
+                segments.append((bytes(view[start_of_run:position]), False))
+            payload = bytes(view[position + FRAME_HEADER_LENGTH : frame_end])
             goaways.append(_decode_goaway_payload(payload))
-            position += FRAME_HEADER_LENGTH + length
-            start_of_run = position
-        passed.append(view[start_of_run:position])
+            position = start_of_run = frame_end
+        if start_of_run < position:
+            segments.append((bytes(view[start_of_run:position]), False))
         if position < end:
             self._pending = bytes(view[position:])
-        return b"".join(passed), goaways
+        return segments, goaways
 
     def _check_limits(self, length: int, frame_type: int, flags: int) -> None:
         if length > self._max_frame_size:

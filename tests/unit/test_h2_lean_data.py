@@ -2,8 +2,8 @@
 
 Two server-side ``h2`` connections get the same hyperframe-encoded bytes: one
 through ``h2`` alone, one as :class:`~ztwisted.h2.connection.HBONEConnection`
-feeds it (GOAWAY filter segments, whole DATA frames to :func:`take_data_frame`
-first). Their events, their answers and their errors must be the same.
+feeds it (GOAWAY filter segments, :func:`lean_data.receive`: whole DATA frames
+to :func:`take_data_frame` first). Their events, their answers and their errors must be the same.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ class Server:
         self.lean = lean
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
         self.filter = GoawayFilter(expect_client_preface=True, max_frame_size=16384, max_header_block=65536)
-        self.taken = 0  # DATA frames the lean path took
         peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         peer.initiate_connection()
         self.h2.initiate_connection()
@@ -50,15 +49,29 @@ class Server:
 
     def feed(self, data: bytes) -> list[h2.events.Event]:
         segments, _ = self.filter.segments(data, cut_out_data_frames=self.lean)
-        events = []
-        for segment, whole_data_frame in segments:
-            taken = take_data_frame(self.h2, segment) if whole_data_frame else None
-            if taken is None:
-                events += self.h2.receive_data(segment)
-            else:
-                self.taken += 1
-                events += taken
+        return lean_data.receive(self.h2, segments)
+
+    @property
+    def taken(self) -> int:
+        """How many DATA frames the lean path took."""
+        return TAKEN.get(id(self.h2), 0)
+
+
+TAKEN: dict[int, int] = {}
+
+
+@pytest.fixture(autouse=True)
+def count_what_the_lean_path_takes(monkeypatch):
+    take = lean_data.take_data_frame
+
+    def counting(h2conn, frame):
+        events = take(h2conn, frame)
+        if events is not None:
+            TAKEN[id(h2conn)] = TAKEN.get(id(h2conn), 0) + 1
         return events
+
+    TAKEN.clear()
+    monkeypatch.setattr(lean_data, "take_data_frame", counting)
 
 
 def describe(events: list[h2.events.Event]) -> list[tuple]:

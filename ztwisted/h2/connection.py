@@ -185,21 +185,14 @@ class HBONEConnection(Protocol):
         self.keepalive.heard_from_peer()
         try:
             segments, goaways = self._goaway_filter.segments(data, cut_out_data_frames=lean_data.ENABLED)
-        except FrameLimitExceeded as e:
+            events = lean_data.receive(self.h2, segments)
+        except (h2.exceptions.ProtocolError, FrameLimitExceeded) as e:
             self.shutdown.protocol_error(e)
             return
-        for segment, whole_data_frame in segments:
-            try:
-                events = lean_data.take_data_frame(self.h2, segment) if whole_data_frame else None
-                if events is None:
-                    events = self.h2.receive_data(segment)
-            except h2.exceptions.ProtocolError as e:
-                self.shutdown.protocol_error(e)
+        for event in events:
+            self._handle_event(event)
+            if self.lifecycle.ending:
                 return
-            for event in events:
-                self._handle_event(event)
-                if self.lifecycle.ending:
-                    return
         for goaway in goaways:
             self.shutdown.goaway_received(goaway)
         self.send_pending()

@@ -161,13 +161,7 @@ class GoawayFilter:
             flags = view[position + 4]
             self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
-            if (
-                cut_out_data_frames
-                and frame_type == DATA_FRAME_TYPE
-                and not flags & (PADDED_FLAG | END_STREAM_FLAG)
-                and not self._in_header_block
-                and frame_end <= end
-            ):
+            if cut_out_data_frames and frame_end <= end and self._plain_data_frame(frame_type, flags):
                 if start_of_run < position:
                     segments.append((bytes(view[start_of_run:position]), False))
                 segments.append((bytes(view[position:frame_end]), True))
@@ -191,6 +185,12 @@ class GoawayFilter:
         if position < end:
             self._pending = bytes(view[position:])
         return segments, goaways
+
+    def _plain_data_frame(self, frame_type: int, flags: int) -> bool:
+        """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise)."""
+        return (
+            frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG) and not self._in_header_block
+        )
 
     def _check_limits(self, length: int, frame_type: int, flags: int) -> None:
         if length > self._max_frame_size:

@@ -72,6 +72,20 @@ def _h2_has_the_internals() -> bool:
 ENABLED = _h2_has_the_internals()
 
 
+def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool]]) -> list[h2.events.Event]:
+    """``h2``'s events for received bytes in :meth:`~ztwisted.h2.goaway.GoawayFilter.segments`, in order.
+
+    Each whole DATA frame goes through :func:`take_data_frame` if it takes it,
+    everything else through ``h2.receive_data``. As with one ``receive_data``
+    call, an error in any segment raises before any event is handled.
+    """
+    events: list[h2.events.Event] = []
+    for segment, whole_data_frame in segments:
+        taken = take_data_frame(h2conn, segment) if whole_data_frame else None
+        events += h2conn.receive_data(segment) if taken is None else taken
+    return events
+
+
 def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2.events.DataReceived] | None:
     """Receive one whole DATA frame (header included) as ``h2`` would, or None: give it to ``h2``.
 

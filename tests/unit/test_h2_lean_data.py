@@ -120,12 +120,12 @@ def test_data_frames_give_the_same_events_windows_and_acknowledgements_as_h2():
         data(b"a" * 100) + data(b"b" * 16384),
         data(b""),
         data(b"padded", pad_length=10) + data(b"c" * 16000),
-        data(b"d" * 3000)[:2000],  # in pieces: h2 buffers it
+        data(b"d" * 3000)[:2000],  # in pieces: held back until whole
         data(b"d" * 3000)[2000:] + data(b"e" * 700),
         data(b"last", flags=["END_STREAM"]),
     ]
     lean, (plain_events, plain_answers), (lean_events, lean_answers) = both(chunks)
-    assert lean.taken == 5  # a, b, the empty one, c and e: not the padded, split or last
+    assert lean.taken == 6  # a, b, the empty one, c, d and e: not the padded one or the last
     assert describe(lean_events) == describe(plain_events)
     assert b"".join(e.data for e in lean_events if isinstance(e, h2.events.DataReceived)) == (
         b"a" * 100 + b"b" * 16384 + b"padded" + b"c" * 16000 + b"d" * 3000 + b"e" * 700 + b"last"
@@ -204,12 +204,50 @@ def test_filter_cuts_out_only_whole_plain_data_frames():
     chunk = settings + plain + padded + encode_goaway(1) + last + plain + split[:20]
     filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     segments, goaways = filt.segments(chunk)
-    assert segments == [(settings, False), (plain, True), (padded, False), (last, False), (plain, True)] + [
-        (split[:20], False)
-    ]
+    assert segments == [(settings, False), (plain, True), (padded, False), (last, False), (plain, True)]
     assert [g.last_stream_id for g in goaways] == [1]
+    # The DATA frame in pieces is held back until whole (as h2 would buffer it), then cut out.
     segments, _ = filt.segments(split[20:] + open_block + plain)
-    assert segments == [(split[20:] + open_block + plain, False)]  # inside a header block: h2's error to raise
+    assert segments == [(split, True), (open_block + plain, False)]  # inside a header block: h2's error to raise
     # feed() is the same bytes, joined, for whoever wants no lean path.
     filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     assert filt.feed(chunk) == (settings + plain + padded + last + plain + split[:20], goaways)
+
+
+class Client:
+    """A client-side h2 connection with stream 1 open (its CONNECT answered 200)."""
+
+    def __init__(self):
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        self.h2.initiate_connection()
+        peer.initiate_connection()
+        peer.receive_data(self.h2.data_to_send())
+        self.h2.receive_data(peer.data_to_send())
+        self.h2.send_headers(1, CONNECT)
+        peer.receive_data(self.h2.data_to_send())
+        peer.send_headers(1, [(":status", "200")])
+        self.h2.receive_data(peer.data_to_send())
+        self.h2.data_to_send()
+
+
+def test_sent_data_frames_are_the_bytes_and_windows_h2_makes():
+    plain, lean = Client(), Client()
+    for chunk in (b"a" * 10, b"b" * 16384, b"c" * 16384, b"d" * 16384, b"e" * 16373):
+        plain.h2.send_data(1, chunk)
+        assert lean_data.send_data_frame(lean.h2, 1, chunk)
+        assert lean.h2.local_flow_control_window(1) == plain.h2.local_flow_control_window(1)
+    assert lean.h2.data_to_send() == plain.h2.data_to_send()
+    assert lean.h2.local_flow_control_window(1) == 65535 - 10 - 3 * 16384 - 16373 == 0
+    # Over the window, over the frame size, on a stream h2 does not hold or has ended:
+    # not taken; h2's send_data raises what it raises.
+    assert not lean_data.send_data_frame(lean.h2, 1, b"x")
+    with pytest.raises(h2.exceptions.FlowControlError):
+        lean.h2.send_data(1, b"x")
+    client = Client()
+    assert not lean_data.send_data_frame(client.h2, 1, b"x" * 16385)
+    assert not lean_data.send_data_frame(client.h2, 3, b"x")
+    client.h2.end_stream(1)
+    assert not lean_data.send_data_frame(client.h2, 1, b"x")
+    with pytest.raises(h2.exceptions.ProtocolError):
+        client.h2.send_data(1, b"x")

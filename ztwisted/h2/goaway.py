@@ -104,8 +104,9 @@ class GoawayFilter:
     """Splits the received byte stream at frame boundaries and removes GOAWAY frames.
 
     Only frame headers are parsed; every other byte is passed on to ``h2``
-    at once (a partial frame too: ``h2`` buffers it), so the cost is one
-    header parse per frame. Each frame header is checked against
+    at once (a partial frame too: ``h2`` buffers it; only a DATA frame to be
+    cut out, see :meth:`segments`, waits here until whole), so the cost is
+    one header parse per frame. Each frame header is checked against
     ``max_frame_size`` and the header block it belongs to against
     ``max_header_block`` (:class:`FrameLimitExceeded` is raised), so ``h2``
     never buffers more than one frame of at most ``max_frame_size`` bytes.
@@ -131,10 +132,10 @@ class GoawayFilter:
         """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
 
         Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each
-        complete DATA frame without padding and without END_STREAM that is not inside a
-        header block is a segment of its own, flagged True (for
-        :func:`~ztwisted.h2.lean_data.take_data_frame`); everything else comes in runs
-        flagged False.
+        DATA frame without padding and without END_STREAM that is not inside a header
+        block is a segment of its own, flagged True (for
+        :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until it is complete
+        (as ``h2`` would buffer it); everything else comes in runs flagged False.
         """
         if self._pending:
             data = self._pending + data
@@ -161,24 +162,23 @@ class GoawayFilter:
             flags = view[position + 4]
             self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
-            if cut_out_data_frames and frame_end <= end and self._plain_data_frame(frame_type, flags):
-                if start_of_run < position:
-                    segments.append((bytes(view[start_of_run:position]), False))
-                segments.append((bytes(view[position:frame_end]), True))
-                position = start_of_run = frame_end
-                continue
-            if frame_type != GOAWAY_FRAME_TYPE:
+            # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole
+            # (kept pending until they are): no more than one frame of checked size.
+            cut_out_data = cut_out_data_frames and self._plain_data_frame(frame_type, flags)
+            if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
                 continue
-            if length > MAX_GOAWAY_PAYLOAD:
+            if frame_type == GOAWAY_FRAME_TYPE and length > MAX_GOAWAY_PAYLOAD:
                 raise GoawayTooLarge(f"GOAWAY frame of {length} bytes")
             if frame_end > end:
                 break
             if start_of_run < position:
                 segments.append((bytes(view[start_of_run:position]), False))
-            payload = bytes(view[position + FRAME_HEADER_LENGTH : frame_end])
-            goaways.append(_decode_goaway_payload(payload))
+            if cut_out_data:
+                segments.append((bytes(view[position:frame_end]), True))
+            else:
+                goaways.append(_decode_goaway_payload(bytes(view[position + FRAME_HEADER_LENGTH : frame_end])))
             position = start_of_run = frame_end
         if start_of_run < position:
             segments.append((bytes(view[start_of_run:position]), False))

@@ -251,3 +251,14 @@ def test_sent_data_frames_are_the_bytes_and_windows_h2_makes():
     assert not lean_data.send_data_frame(client.h2, 1, b"x")
     with pytest.raises(h2.exceptions.ProtocolError):
         client.h2.send_data(1, b"x")
+
+
+def test_a_data_frame_in_many_pieces_is_held_as_pieces_until_whole():
+    frame = data(bytes(range(256)) * 4)
+    after = SettingsFrame(0).serialize() + encode_goaway(3)
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    for i in range(len(frame) - 1):
+        assert filt.segments(frame[i : i + 1]) == ([], [])
+    segments, goaways = filt.segments(frame[-1:] + after)
+    assert segments == [(frame, True), (SettingsFrame(0).serialize(), False)]
+    assert [g.last_stream_id for g in goaways] == [3]

@@ -118,6 +118,10 @@ class GoawayFilter:
         self._max_header_block = max_header_block
         self._skip = 0  # bytes of the current non-GOAWAY frame body still to pass on
         self._pending = b""  # an incomplete frame header, or an incomplete GOAWAY frame
+        # The pieces of a DATA frame held until whole (see segments), and how many bytes it still lacks.
+        # Kept as pieces, not re-joined per read: a frame dribbled in tiny reads costs linear time.
+        self._held: list[bytes] = []
+        self._held_missing = 0
         self._header_block = 0  # length of the header block so far
         self._in_header_block = False  # END_HEADERS not seen yet
 
@@ -137,17 +141,11 @@ class GoawayFilter:
         :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until it is complete
         (as ``h2`` would buffer it); everything else comes in runs flagged False.
         """
-        if self._pending:
-            data = self._pending + data
-            self._pending = b""
         segments: list[tuple[bytes, bool]] = []
+        data, position = self._continue_from_earlier_reads(data, segments)
         goaways: list[ReceivedGoaway] = []
         view = memoryview(data)
-        position = 0
         end = len(data)
-        if self._preface_left:
-            position = min(self._preface_left, end)
-            self._preface_left -= position
         start_of_run = 0
         while position < end:
             if self._skip:
@@ -162,8 +160,8 @@ class GoawayFilter:
             flags = view[position + 4]
             self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
-            # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole
-            # (kept pending until they are): no more than one frame of checked size.
+            # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
+            # incomplete one waits in _pending or _held): no more than one frame of checked size.
             cut_out_data = cut_out_data_frames and self._plain_data_frame(frame_type, flags)
             if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
                 self._skip = length
@@ -171,10 +169,13 @@ class GoawayFilter:
                 continue
             if frame_type == GOAWAY_FRAME_TYPE and length > MAX_GOAWAY_PAYLOAD:
                 raise GoawayTooLarge(f"GOAWAY frame of {length} bytes")
-            if frame_end > end:
+            if frame_end > end and not cut_out_data:
                 break
             if start_of_run < position:
                 segments.append((bytes(view[start_of_run:position]), False))
+            if frame_end > end:
+                self._held, self._held_missing = [bytes(view[position:end])], frame_end - end
+                return segments, goaways
             if cut_out_data:
                 segments.append((bytes(view[position:frame_end]), True))
             else:
@@ -185,6 +186,29 @@ class GoawayFilter:
         if position < end:
             self._pending = bytes(view[position:])
         return segments, goaways
+
+    def _continue_from_earlier_reads(self, data: bytes, segments: list[tuple[bytes, bool]]) -> tuple[bytes, int]:
+        """``data`` after what earlier reads left (a held DATA frame, the start of a frame), and
+        where its first frame header is (after the client preface)."""
+        if self._held_missing:
+            data = self._complete_held_frame(data, segments)
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        preface = min(self._preface_left, len(data))
+        self._preface_left -= preface
+        return data, preface
+
+    def _complete_held_frame(self, data: bytes, segments: list[tuple[bytes, bool]]) -> bytes:
+        """Add ``data`` to the DATA frame held; once whole, it is the first segment. Returns what follows it."""
+        taken = data[: self._held_missing]
+        self._held.append(taken)
+        self._held_missing -= len(taken)
+        if self._held_missing:
+            return b""
+        segments.append((b"".join(self._held), True))
+        self._held = []
+        return data[len(taken) :]
 
     def _plain_data_frame(self, frame_type: int, flags: int) -> bool:
         """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise)."""

@@ -67,6 +67,10 @@ H2_INTERNALS = (
 
 def _h2_has_the_internals() -> bool:
     probe = h2.connection.H2Connection()
+    try:
+        h2.events.DataReceived(stream_id=1, data=b"", flow_controlled_length=0)  # h2 >= 4.2: keyword fields
+    except TypeError:
+        return False
     return (
         hasattr(probe, "state_machine")
         and hasattr(probe.incoming_buffer, "_data")
@@ -108,7 +112,7 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
     buffered = h2conn.incoming_buffer
     if buffered._data or buffered._headers_buffer:
         return None
-    stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
+    stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID  # the header's last 4 bytes
     stream = h2conn.streams.get(stream_id)
     if stream is None or stream.state_machine.state not in _STREAM_RECEIVES_DATA:
         return None

@@ -262,3 +262,24 @@ def test_a_data_frame_in_many_pieces_is_held_as_pieces_until_whole():
     segments, goaways = filt.segments(frame[-1:] + after)
     assert segments == [(frame, True), (SettingsFrame(0).serialize(), False)]
     assert [g.last_stream_id for g in goaways] == [3]
+
+
+def test_data_before_the_response_is_left_to_h2_which_refuses_it():
+    """A server that sends DATA on a tunnel before answering the CONNECT breaks the protocol."""
+    outcomes = []
+    for lean in (False, True):
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        client.initiate_connection()
+        peer.initiate_connection()
+        peer.receive_data(client.data_to_send())
+        client.receive_data(peer.data_to_send())
+        client.send_headers(1, CONNECT)
+        client.data_to_send()
+        filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+        segments, _ = filt.segments(data(b"too early"), cut_out_data_frames=lean)
+        assert take_data_frame(client, segments[0][0]) is None
+        with pytest.raises(h2.exceptions.ProtocolError):
+            lean_data.receive(client, segments)
+        outcomes.append(client.data_to_send())
+    assert outcomes[0] == outcomes[1] and parse_frames(outcomes[1])[0].error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR

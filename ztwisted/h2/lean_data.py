@@ -13,16 +13,17 @@ Received (:func:`take_data_frame`, through :func:`receive`):
   out, as it sees every frame header anyway);
 - it is no longer than ``h2``'s current maximum frame size;
 - ``h2``'s connection is open and the stream is one ``h2`` holds in a state
-  that receives DATA (open, or half-closed by us), and ``h2`` has no partial
-  frame or header block buffered (so the byte order it sees is unchanged);
+  that receives DATA (open, or half-closed by us) and has received its
+  headers (a client's stream, the response), and ``h2`` has no partial frame
+  or header block buffered (so the byte order it sees is unchanged);
 - the connection's and the stream's inbound windows are consumed with ``h2``'s
   window managers, which raise ``FlowControlError`` when a peer overruns a
   window (then, as ``h2`` would, ``h2`` queues its GOAWAY and closes before
   the error goes up), and the body length is counted against a
   content-length as ``h2`` does.
 
-Anything else (padding, END_STREAM, an unknown or closed stream, a
-connection ``h2`` considers closed) returns None, and the frame's bytes go
+Anything else (padding, END_STREAM, an unknown or closed stream, DATA
+before the response, a connection ``h2`` considers closed) returns None, and the frame's bytes go
 to ``h2`` unchanged, which checks and answers it as it always did. The result
 is ``h2``'s own ``DataReceived`` event, so one handler serves both paths.
 
@@ -60,6 +61,7 @@ H2_INTERNALS = (
     "H2Connection._terminate_connection",
     "H2Connection._data_to_send",
     "H2Stream.state_machine.state",
+    "H2Stream.state_machine.headers_received",
     "H2Stream._inbound_window_manager.window_consumed",
     "H2Stream._track_content_length",
 )
@@ -79,6 +81,7 @@ def _h2_has_the_internals() -> bool:
         and hasattr(probe, "_terminate_connection")
         and isinstance(getattr(probe, "_data_to_send", None), bytearray)
         and hasattr(h2.stream.H2Stream, "_track_content_length")
+        and hasattr(h2.stream.H2StreamStateMachine(1), "headers_received")
     )
 
 
@@ -115,6 +118,8 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
     stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID  # the header's last 4 bytes
     stream = h2conn.streams.get(stream_id)
     if stream is None or stream.state_machine.state not in _STREAM_RECEIVES_DATA:
+        return None
+    if not stream.state_machine.headers_received:  # DATA before the response: h2's protocol error
         return None
     try:
         h2conn._inbound_flow_control_window_manager.window_consumed(length)

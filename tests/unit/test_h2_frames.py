@@ -723,3 +723,19 @@ def test_data_for_a_paused_partner_is_not_acknowledged_until_resumed(paused):
     frames = link.from_ours()
     assert window_updates(frames, stream_id) == [40000]
     assert sum(window_updates(frames, 0)) == 40000
+
+
+def test_data_overrunning_the_stream_window_is_a_flow_control_error():
+    """Whole DATA frames take the lean path (ztwisted.h2.lean_data): h2's windows still hold."""
+    link = Link(client=False, settings=H2Settings.server(stream_window=65535, connection_window=1_000_000))
+    stream_id, ours = link.peer_open_tunnel()
+    ours.pauseProducing()  # the app stopped reading: nothing is acknowledged
+    link.from_ours()
+    frames = [DataFrame(stream_id, data=b"x" * 16384).serialize() for _ in range(4)]
+    link.to_ours(b"".join(frames[:3]))
+    assert len(ours.far.data) == 3 * 16384 and link.limits == []
+    link.to_ours(frames[3])  # 65,536 bytes in a 65,535-byte window: the peer ignored it
+    assert link.limits == ["protocol-error"]
+    assert kinds(link.from_ours()) == [("GOAWAY", stream_id, h2.errors.ErrorCodes.FLOW_CONTROL_ERROR)]
+    assert_closed_after_goaway(link, "protocol-error")
+    assert len(ours.far.data) == 3 * 16384 and ours.done

@@ -31,6 +31,7 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from ztwisted.h2 import lean_data
 from ztwisted.h2.admission import StreamAdmission, let_h2_accept_any_number_of_streams
 from ztwisted.h2.events import EventHandlers
 from ztwisted.h2.flow import FlowControl
@@ -183,8 +184,8 @@ class HBONEConnection(Protocol):
             return
         self.keepalive.heard_from_peer()
         try:
-            data, goaways = self._goaway_filter.feed(data)
-            events = self.h2.receive_data(data) if data else []
+            segments, goaways = self._goaway_filter.segments(data, cut_out_data_frames=lean_data.ENABLED)
+            events = lean_data.receive(self.h2, segments)
         except (h2.exceptions.ProtocolError, FrameLimitExceeded) as e:
             self.shutdown.protocol_error(e)
             return

@@ -13,7 +13,8 @@ filter is also the one place that sees every frame header as the bytes
 arrive, it enforces the frame-level limits there too, before ``h2`` buffers a
 frame whole: a frame longer than the advertised SETTINGS_MAX_FRAME_SIZE, and
 a header block (HEADERS or PUSH_PROMISE and its CONTINUATION frames) longer
-than a cap.
+than a cap. For the same reason it cuts out the DATA frames that
+:mod:`~ztwisted.h2.lean_data` may take past ``h2`` (:meth:`GoawayFilter.segments`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import attr
 from hyperframe.frame import GoAwayFrame
 
 FRAME_HEADER_LENGTH = 9
+DATA_FRAME_TYPE = 0x00
 HEADERS_FRAME_TYPE = 0x01
 PUSH_PROMISE_FRAME_TYPE = 0x05
 GOAWAY_FRAME_TYPE = 0x07
 CONTINUATION_FRAME_TYPE = 0x09
+END_STREAM_FLAG = 0x01
 END_HEADERS_FLAG = 0x04
+PADDED_FLAG = 0x08
 PROTOCOL_ERROR = 0x1
 FRAME_SIZE_ERROR = 0x6
 ENHANCE_YOUR_CALM = 0xB
@@ -100,8 +104,9 @@ class GoawayFilter:
     """Splits the received byte stream at frame boundaries and removes GOAWAY frames.
 
     Only frame headers are parsed; every other byte is passed on to ``h2``
-    at once (a partial frame too: ``h2`` buffers it), so the cost is one
-    header parse per frame. Each frame header is checked against
+    at once (a partial frame too: ``h2`` buffers it; only a DATA frame to be
+    cut out, see :meth:`segments`, waits here until whole), so the cost is
+    one header parse per frame. Each frame header is checked against
     ``max_frame_size`` and the header block it belongs to against
     ``max_header_block`` (:class:`FrameLimitExceeded` is raised), so ``h2``
     never buffers more than one frame of at most ``max_frame_size`` bytes.
@@ -113,25 +118,35 @@ class GoawayFilter:
         self._max_header_block = max_header_block
         self._skip = 0  # bytes of the current non-GOAWAY frame body still to pass on
         self._pending = b""  # an incomplete frame header, or an incomplete GOAWAY frame
+        # The pieces of a DATA frame held until whole (see segments), and how many bytes it still lacks.
+        # Kept as pieces, not re-joined per read: a frame dribbled in tiny reads costs linear time.
+        self._held: list[bytes] = []
+        self._held_missing = 0
         self._header_block = 0  # length of the header block so far
         self._in_header_block = False  # END_HEADERS not seen yet
 
     def feed(self, data: bytes) -> tuple[bytes, list[ReceivedGoaway]]:
         """Return the bytes for ``h2`` and the GOAWAY frames found in ``data``."""
-        if self._pending:
-            data = self._pending + data
-            self._pending = b""
-        passed: list[bytes] = []
+        segments, goaways = self.segments(data, cut_out_data_frames=False)
+        return b"".join(segment for segment, _ in segments), goaways
+
+    def segments(
+        self, data: bytes, cut_out_data_frames: bool = True
+    ) -> tuple[list[tuple[bytes, bool]], list[ReceivedGoaway]]:
+        """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
+
+        Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each
+        DATA frame without padding and without END_STREAM that is not inside a header
+        block is a segment of its own, flagged True (for
+        :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until it is complete
+        (as ``h2`` would buffer it); everything else comes in runs flagged False.
+        """
+        segments: list[tuple[bytes, bool]] = []
+        data, position = self._continue_from_earlier_reads(data, segments)
         goaways: list[ReceivedGoaway] = []
         view = memoryview(data)
-        position = 0
         end = len(data)
-        if self._preface_left:
-            taken = min(self._preface_left, end)
-            passed.append(view[:taken])
-            self._preface_left -= taken
-            position = taken
-        start_of_run = position
+        start_of_run = 0
         while position < end:
             if self._skip:
                 step = min(self._skip, end - position)
@@ -142,24 +157,64 @@ class GoawayFilter:
                 break
             length = int.from_bytes(view[position : position + 3], "big")
             frame_type = view[position + 3]
-            self._check_limits(length, frame_type, view[position + 4])
-            if frame_type != GOAWAY_FRAME_TYPE:
+            flags = view[position + 4]
+            self._check_limits(length, frame_type, flags)
+            frame_end = position + FRAME_HEADER_LENGTH + length
+            # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
+            # incomplete one waits in _pending or _held): no more than one frame of checked size.
+            cut_out_data = cut_out_data_frames and self._plain_data_frame(frame_type, flags)
+            if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
                 continue
-            if length > MAX_GOAWAY_PAYLOAD:
+            if frame_type == GOAWAY_FRAME_TYPE and length > MAX_GOAWAY_PAYLOAD:
                 raise GoawayTooLarge(f"GOAWAY frame of {length} bytes")
-            if end - position < FRAME_HEADER_LENGTH + length:
+            if frame_end > end and not cut_out_data:
                 break
-            passed.append(view[start_of_run:position])
-            payload = bytes(view[position + FRAME_HEADER_LENGTH : position + FRAME_HEADER_LENGTH + length])
-            goaways.append(_decode_goaway_payload(payload))
-            position += FRAME_HEADER_LENGTH + length
-            start_of_run = position
-        passed.append(view[start_of_run:position])
+            if start_of_run < position:
+                segments.append((bytes(view[start_of_run:position]), False))
+            if frame_end > end:
+                self._held, self._held_missing = [bytes(view[position:end])], frame_end - end
+                return segments, goaways
+            if cut_out_data:
+                segments.append((bytes(view[position:frame_end]), True))
+            else:
+                goaways.append(_decode_goaway_payload(bytes(view[position + FRAME_HEADER_LENGTH : frame_end])))
+            position = start_of_run = frame_end
+        if start_of_run < position:
+            segments.append((bytes(view[start_of_run:position]), False))
         if position < end:
             self._pending = bytes(view[position:])
-        return b"".join(passed), goaways
+        return segments, goaways
+
+    def _continue_from_earlier_reads(self, data: bytes, segments: list[tuple[bytes, bool]]) -> tuple[bytes, int]:
+        """``data`` after what earlier reads left (a held DATA frame, the start of a frame), and
+        where its first frame header is (after the client preface)."""
+        if self._held_missing:
+            data = self._complete_held_frame(data, segments)
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        preface = min(self._preface_left, len(data))
+        self._preface_left -= preface
+        return data, preface
+
+    def _complete_held_frame(self, data: bytes, segments: list[tuple[bytes, bool]]) -> bytes:
+        """Add ``data`` to the DATA frame held; once whole, it is the first segment. Returns what follows it."""
+        taken = data[: self._held_missing]
+        self._held.append(taken)
+        self._held_missing -= len(taken)
+        if self._held_missing:
+            return b""
+        segments.append((b"".join(self._held), True))
+        self._held = []
+        return data[len(taken) :]
+
+    def _plain_data_frame(self, frame_type: int, flags: int) -> bool:
+        """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise)."""
+        return (
+            frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG) and not self._in_header_block
+        )
 
     def _check_limits(self, length: int, frame_type: int, flags: int) -> None:
         if length > self._max_frame_size:

@@ -10,6 +10,7 @@ import h2.errors
 from twisted.internet import defer
 from zope.interface import implementer
 
+from ztwisted.h2 import lean_data
 from ztwisted.h2.settings import ConnectionGone, StreamRefused, TunnelError, TunnelRefused
 from ztwisted.interfaces import IPipeEnd
 
@@ -205,7 +206,8 @@ class Stream:
             else:
                 self._outbound[0] = chunk[window:]
                 chunk = chunk[:window]
-            h2conn.send_data(self.stream_id, chunk)
+            if not lean_data.send_data_frame(h2conn, self.stream_id, chunk):
+                h2conn.send_data(self.stream_id, chunk)
             self._outbound_size -= len(chunk)
             self.bytes_sent += len(chunk)
         if self._outbound_size == 0 and self._eof_pending:

@@ -1,0 +1,285 @@
+"""The lean path for DATA frames (ztwisted.h2.lean_data) against h2 itself.
+
+Two server-side ``h2`` connections get the same hyperframe-encoded bytes: one
+through ``h2`` alone, one as :class:`~ztwisted.h2.connection.HBONEConnection`
+feeds it (GOAWAY filter segments, :func:`lean_data.receive`: whole DATA frames
+to :func:`take_data_frame` first). Their events, their answers and their errors must be the same.
+"""
+
+from __future__ import annotations
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import pytest
+from hyperframe.frame import DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame
+
+from ztwisted.h2 import lean_data
+from ztwisted.h2.goaway import GoawayFilter, encode_goaway
+from ztwisted.h2.lean_data import take_data_frame
+
+from .h2_support import parse_frames
+
+CONNECT = [(":method", "CONNECT"), (":authority", "127.0.0.1:8080")]
+
+
+def test_this_h2_has_what_the_lean_path_needs():
+    # Without it every frame would silently take the slow path: say so when h2 changes.
+    assert lean_data.ENABLED
+
+
+class Server:
+    """A server-side h2 connection with stream 1 open (CONNECT answered 200), fed as HBONEConnection feeds it."""
+
+    def __init__(self, lean: bool):
+        self.lean = lean
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        self.filter = GoawayFilter(expect_client_preface=True, max_frame_size=16384, max_header_block=65536)
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        self.h2.initiate_connection()
+        self.feed(peer.data_to_send())
+        peer.receive_data(self.h2.data_to_send())
+        peer.send_headers(1, CONNECT)
+        self.feed(peer.data_to_send())
+        self.h2.send_headers(1, [(":status", "200")])
+        peer.receive_data(self.h2.data_to_send())
+
+    def feed(self, data: bytes) -> list[h2.events.Event]:
+        segments, _ = self.filter.segments(data, cut_out_data_frames=self.lean)
+        return lean_data.receive(self.h2, segments)
+
+    @property
+    def taken(self) -> int:
+        """How many DATA frames the lean path took."""
+        return TAKEN.get(id(self.h2), 0)
+
+
+TAKEN: dict[int, int] = {}
+
+
+@pytest.fixture(autouse=True)
+def count_what_the_lean_path_takes(monkeypatch):
+    take = lean_data.take_data_frame
+
+    def counting(h2conn, frame):
+        events = take(h2conn, frame)
+        if events is not None:
+            TAKEN[id(h2conn)] = TAKEN.get(id(h2conn), 0) + 1
+        return events
+
+    TAKEN.clear()
+    monkeypatch.setattr(lean_data, "take_data_frame", counting)
+
+
+def describe(events: list[h2.events.Event]) -> list[tuple]:
+    return [
+        (
+            type(e).__name__,
+            getattr(e, "stream_id", None),
+            getattr(e, "data", None),
+            getattr(e, "flow_controlled_length", None),
+            getattr(e, "stream_ended", None) is not None,
+        )
+        for e in events
+    ]
+
+
+def data(payload: bytes, stream_id: int = 1, flags=(), pad_length: int = 0) -> bytes:
+    frame = DataFrame(stream_id, data=payload, flags=flags)
+    if pad_length:
+        frame.flags.add("PADDED")
+        frame.pad_length = pad_length
+    return frame.serialize()
+
+
+def both(chunks: list[bytes]) -> tuple[Server, list, list]:
+    """Feed the same chunks to an h2-only and a lean server, acknowledging all data as it comes.
+
+    Returns the lean server and, per server, its events and what it sent after each chunk.
+    """
+    plain, lean = Server(lean=False), Server(lean=True)
+    results = []
+    for server in (plain, lean):
+        events, answers = [], []
+        for chunk in chunks:
+            new = server.feed(chunk)
+            for event in new:
+                if isinstance(event, h2.events.DataReceived):
+                    server.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            events += new
+            answers.append(server.h2.data_to_send())
+        results.append((events, answers))
+    return lean, results[0], results[1]
+
+
+def test_data_frames_give_the_same_events_windows_and_acknowledgements_as_h2():
+    chunks = [
+        data(b"a" * 100) + data(b"b" * 16384),
+        data(b""),
+        data(b"padded", pad_length=10) + data(b"c" * 16000),
+        data(b"d" * 3000)[:2000],  # in pieces: held back until whole
+        data(b"d" * 3000)[2000:] + data(b"e" * 700),
+        data(b"last", flags=["END_STREAM"]),
+    ]
+    lean, (plain_events, plain_answers), (lean_events, lean_answers) = both(chunks)
+    assert lean.taken == 6  # a, b, the empty one, c, d and e: not the padded one or the last
+    assert describe(lean_events) == describe(plain_events)
+    assert b"".join(e.data for e in lean_events if isinstance(e, h2.events.DataReceived)) == (
+        b"a" * 100 + b"b" * 16384 + b"padded" + b"c" * 16000 + b"d" * 3000 + b"e" * 700 + b"last"
+    )
+    # The same windows: the same WINDOW_UPDATEs at the same moments (h2 sends one at half a window).
+    assert lean_answers == plain_answers
+    updates = [(f.stream_id, f.window_increment) for f in parse_frames(b"".join(lean_answers))]
+    assert [stream_id for stream_id, _ in updates] == [0, 1]  # the test reached a WINDOW_UPDATE of each
+
+
+@pytest.mark.parametrize("connection_window", [0, 1_000_000])
+def test_a_frame_overrunning_a_window_is_h2s_flow_control_error(connection_window):
+    """The connection's window (65,535 bytes), or with a larger one the stream's: the 4th 16 KiB frame overruns it."""
+    outcomes = []
+    for server in (Server(lean=False), Server(lean=True)):
+        if connection_window:
+            server.h2.increment_flow_control_window(connection_window)
+            server.h2.data_to_send()
+        frames = [data(b"x" * 16384) for _ in range(4)]
+        for frame in frames[:3]:
+            server.feed(frame)
+        with pytest.raises(h2.exceptions.FlowControlError):
+            server.feed(frames[3])
+        outcomes.append(server.h2.data_to_send())
+    plain_out, lean_out = outcomes
+    assert lean_out == plain_out  # h2's GOAWAY, FLOW_CONTROL_ERROR
+    (goaway,) = parse_frames(lean_out)
+    assert isinstance(goaway, GoAwayFrame) and goaway.error_code == h2.errors.ErrorCodes.FLOW_CONTROL_ERROR
+
+
+def test_content_length_is_still_counted():
+    """A CONNECT with a content-length (odd, but a peer may send it): h2's check still fires."""
+    outcomes = []
+    for lean in (False, True):
+        server = Server(lean=lean)
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        headers = HeadersFrame(3, flags=["END_HEADERS"])
+        headers.data = peer.encoder.encode([*CONNECT, ("content-length", "10")])
+        server.feed(headers.serialize())
+        server.h2.send_headers(3, [(":status", "200")])
+        server.h2.data_to_send()
+        server.feed(data(b"x" * 10, stream_id=3))
+        with pytest.raises(h2.exceptions.InvalidBodyLengthError):
+            server.feed(data(b"y", stream_id=3))
+        outcomes.append((server.taken, server.h2.data_to_send()))
+    assert outcomes[1][0] == 1 and outcomes[1][1] == outcomes[0][1]
+
+
+def test_frames_the_lean_path_leaves_to_h2():
+    server = Server(lean=True)
+    oversized = DataFrame(1, data=b"x" * 16385).serialize()  # over h2's maximum frame size
+    assert take_data_frame(server.h2, oversized) is None
+    assert take_data_frame(server.h2, data(b"x", stream_id=3)) is None  # a stream h2 does not have
+    on_stream_0 = bytes([0, 0, 1, 0, 0, 0, 0, 0, 0]) + b"x"  # hyperframe refuses to encode it
+    assert take_data_frame(server.h2, on_stream_0) is None
+    # A partial frame buffered in h2: what follows must reach h2 after it.
+    server.h2.receive_data(data(b"y" * 10)[:5])
+    assert take_data_frame(server.h2, data(b"x")) is None
+    server.h2.receive_data(data(b"y" * 10)[5:])
+    assert take_data_frame(server.h2, data(b"x")) is not None
+    # A stream the peer ended, or that was reset: h2 decides what that is.
+    server.feed(data(b"", flags=["END_STREAM"]))
+    assert take_data_frame(server.h2, data(b"x")) is None
+    server = Server(lean=True)
+    server.feed(RstStreamFrame(1, error_code=h2.errors.ErrorCodes.CANCEL).serialize())
+    assert take_data_frame(server.h2, data(b"x")) is None
+
+
+def test_filter_cuts_out_only_whole_plain_data_frames():
+    settings = SettingsFrame(0).serialize()
+    plain = data(b"p" * 50)
+    padded = data(b"q", pad_length=4)
+    last = data(b"r", flags=["END_STREAM"])
+    open_block = HeadersFrame(5, data=b"\x82").serialize()  # no END_HEADERS: a CONTINUATION must follow
+    split = data(b"s" * 40)
+    chunk = settings + plain + padded + encode_goaway(1) + last + plain + split[:20]
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    segments, goaways = filt.segments(chunk)
+    assert segments == [(settings, False), (plain, True), (padded, False), (last, False), (plain, True)]
+    assert [g.last_stream_id for g in goaways] == [1]
+    # The DATA frame in pieces is held back until whole (as h2 would buffer it), then cut out.
+    segments, _ = filt.segments(split[20:] + open_block + plain)
+    assert segments == [(split, True), (open_block + plain, False)]  # inside a header block: h2's error to raise
+    # feed() is the same bytes, joined, for whoever wants no lean path.
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    assert filt.feed(chunk) == (settings + plain + padded + last + plain + split[:20], goaways)
+
+
+class Client:
+    """A client-side h2 connection with stream 1 open (its CONNECT answered 200)."""
+
+    def __init__(self):
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        self.h2.initiate_connection()
+        peer.initiate_connection()
+        peer.receive_data(self.h2.data_to_send())
+        self.h2.receive_data(peer.data_to_send())
+        self.h2.send_headers(1, CONNECT)
+        peer.receive_data(self.h2.data_to_send())
+        peer.send_headers(1, [(":status", "200")])
+        self.h2.receive_data(peer.data_to_send())
+        self.h2.data_to_send()
+
+
+def test_sent_data_frames_are_the_bytes_and_windows_h2_makes():
+    plain, lean = Client(), Client()
+    for chunk in (b"a" * 10, b"b" * 16384, b"c" * 16384, b"d" * 16384, b"e" * 16373):
+        plain.h2.send_data(1, chunk)
+        assert lean_data.send_data_frame(lean.h2, 1, chunk)
+        assert lean.h2.local_flow_control_window(1) == plain.h2.local_flow_control_window(1)
+    assert lean.h2.data_to_send() == plain.h2.data_to_send()
+    assert lean.h2.local_flow_control_window(1) == 65535 - 10 - 3 * 16384 - 16373 == 0
+    # Over the window, over the frame size, on a stream h2 does not hold or has ended:
+    # not taken; h2's send_data raises what it raises.
+    assert not lean_data.send_data_frame(lean.h2, 1, b"x")
+    with pytest.raises(h2.exceptions.FlowControlError):
+        lean.h2.send_data(1, b"x")
+    client = Client()
+    assert not lean_data.send_data_frame(client.h2, 1, b"x" * 16385)
+    assert not lean_data.send_data_frame(client.h2, 3, b"x")
+    client.h2.end_stream(1)
+    assert not lean_data.send_data_frame(client.h2, 1, b"x")
+    with pytest.raises(h2.exceptions.ProtocolError):
+        client.h2.send_data(1, b"x")
+
+
+def test_a_data_frame_in_many_pieces_is_held_as_pieces_until_whole():
+    frame = data(bytes(range(256)) * 4)
+    after = SettingsFrame(0).serialize() + encode_goaway(3)
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    for i in range(len(frame) - 1):
+        assert filt.segments(frame[i : i + 1]) == ([], [])
+    segments, goaways = filt.segments(frame[-1:] + after)
+    assert segments == [(frame, True), (SettingsFrame(0).serialize(), False)]
+    assert [g.last_stream_id for g in goaways] == [3]
+
+
+def test_data_before_the_response_is_left_to_h2_which_refuses_it():
+    """A server that sends DATA on a tunnel before answering the CONNECT breaks the protocol."""
+    outcomes = []
+    for lean in (False, True):
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        client.initiate_connection()
+        peer.initiate_connection()
+        peer.receive_data(client.data_to_send())
+        client.receive_data(peer.data_to_send())
+        client.send_headers(1, CONNECT)
+        client.data_to_send()
+        filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+        segments, _ = filt.segments(data(b"too early"), cut_out_data_frames=lean)
+        assert take_data_frame(client, segments[0][0]) is None
+        with pytest.raises(h2.exceptions.ProtocolError):
+            lean_data.receive(client, segments)
+        outcomes.append(client.data_to_send())
+    assert outcomes[0] == outcomes[1] and parse_frames(outcomes[1])[0].error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR

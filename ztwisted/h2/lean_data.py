@@ -1,0 +1,159 @@
+"""A lean path past ``h2`` for the DATA frames of open streams, received and sent.
+
+``h2`` spends ~10 µs on each DATA frame it receives (a frame object, its
+``repr`` for a trace line nobody reads, the connection's and the stream's
+state machines, an event) and several on each it sends. On a tunnel nearly
+every frame is DATA, so this module does for the plainest of them exactly
+what ``h2`` does, with ``h2``'s own bookkeeping, and nothing else.
+
+Received (:func:`take_data_frame`, through :func:`receive`):
+
+- the frame is complete, has no padding and no END_STREAM, and is not inside a
+  header block (:meth:`~ztwisted.h2.goaway.GoawayFilter.segments` picks these
+  out, as it sees every frame header anyway);
+- it is no longer than ``h2``'s current maximum frame size;
+- ``h2``'s connection is open and the stream is one ``h2`` holds in a state
+  that receives DATA (open, or half-closed by us) and has received its
+  headers (a client's stream, the response), and ``h2`` has no partial frame
+  or header block buffered (so the byte order it sees is unchanged);
+- the connection's and the stream's inbound windows are consumed with ``h2``'s
+  window managers, which raise ``FlowControlError`` when a peer overruns a
+  window (then, as ``h2`` would, ``h2`` queues its GOAWAY and closes before
+  the error goes up), and the body length is counted against a
+  content-length as ``h2`` does.
+
+Anything else (padding, END_STREAM, an unknown or closed stream, DATA
+before the response, a connection ``h2`` considers closed) returns None, and the frame's bytes go
+to ``h2`` unchanged, which checks and answers it as it always did. The result
+is ``h2``'s own ``DataReceived`` event, so one handler serves both paths.
+
+Sent (:func:`send_data_frame`): a frame without padding or END_STREAM, on an
+open connection and a stream ``h2`` holds in a state that sends DATA, within
+the maximum frame size and both outbound windows: the windows are consumed
+and the frame is queued in ``h2``'s send buffer, as ``h2.send_data`` does;
+otherwise the caller uses ``send_data``.
+
+This relies on attributes of ``h2`` 4.x that are not public API (listed in
+:data:`H2_INTERNALS`); :data:`ENABLED` says whether this ``h2`` has them,
+and without them every frame simply goes to ``h2``.
+"""
+
+from __future__ import annotations
+
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.stream
+
+from ztwisted.h2.goaway import DATA_FRAME_TYPE, FRAME_HEADER_LENGTH, MAX_STREAM_ID
+
+#: the states in which h2 takes a DATA frame without changing state
+_CONNECTION_OPEN = frozenset({h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN})
+_STREAM_RECEIVES_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
+_STREAM_SENDS_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE})
+
+#: what this module reads or calls in h2 beyond its public API
+H2_INTERNALS = (
+    "H2Connection.state_machine.state",
+    "H2Connection.incoming_buffer._data",
+    "H2Connection.incoming_buffer._headers_buffer",
+    "H2Connection._inbound_flow_control_window_manager.window_consumed",
+    "H2Connection._terminate_connection",
+    "H2Connection._data_to_send",
+    "H2Stream.state_machine.state",
+    "H2Stream.state_machine.headers_received",
+    "H2Stream._inbound_window_manager.window_consumed",
+    "H2Stream._track_content_length",
+)
+
+
+def _h2_has_the_internals() -> bool:
+    probe = h2.connection.H2Connection()
+    try:
+        h2.events.DataReceived(stream_id=1, data=b"", flow_controlled_length=0)  # h2 >= 4.2: keyword fields
+    except TypeError:
+        return False
+    return (
+        hasattr(probe, "state_machine")
+        and hasattr(probe.incoming_buffer, "_data")
+        and hasattr(probe.incoming_buffer, "_headers_buffer")
+        and hasattr(probe, "_inbound_flow_control_window_manager")
+        and hasattr(probe, "_terminate_connection")
+        and isinstance(getattr(probe, "_data_to_send", None), bytearray)
+        and hasattr(h2.stream.H2Stream, "_track_content_length")
+        and hasattr(h2.stream.H2StreamStateMachine(1), "headers_received")
+    )
+
+
+#: False if this h2 lacks what :func:`take_data_frame` uses: then every frame goes to h2
+ENABLED = _h2_has_the_internals()
+
+
+def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool]]) -> list[h2.events.Event]:
+    """``h2``'s events for received bytes in :meth:`~ztwisted.h2.goaway.GoawayFilter.segments`, in order.
+
+    Each whole DATA frame goes through :func:`take_data_frame` if it takes it,
+    everything else through ``h2.receive_data``. As with one ``receive_data``
+    call, an error in any segment raises before any event is handled.
+    """
+    events: list[h2.events.Event] = []
+    for segment, whole_data_frame in segments:
+        taken = take_data_frame(h2conn, segment) if whole_data_frame else None
+        events += h2conn.receive_data(segment) if taken is None else taken
+    return events
+
+
+def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2.events.DataReceived] | None:
+    """Receive one whole DATA frame (header included) as ``h2`` would, or None: give it to ``h2``.
+
+    Raises ``h2``'s ``FlowControlError`` (a ``ProtocolError``) when the frame
+    overruns a window, after ``h2`` queued its GOAWAY, as ``receive_data`` does.
+    """
+    length = len(frame) - FRAME_HEADER_LENGTH
+    if length > h2conn.max_inbound_frame_size or h2conn.state_machine.state not in _CONNECTION_OPEN:
+        return None
+    buffered = h2conn.incoming_buffer
+    if buffered._data or buffered._headers_buffer:
+        return None
+    stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID  # the header's last 4 bytes
+    stream = h2conn.streams.get(stream_id)
+    if stream is None or stream.state_machine.state not in _STREAM_RECEIVES_DATA:
+        return None
+    if not stream.state_machine.headers_received:  # DATA before the response: h2's protocol error
+        return None
+    try:
+        h2conn._inbound_flow_control_window_manager.window_consumed(length)
+        stream._inbound_window_manager.window_consumed(length)
+        stream._track_content_length(length, False)
+    except h2.exceptions.ProtocolError as e:
+        h2conn._terminate_connection(e.error_code)
+        raise
+    return [
+        h2.events.DataReceived(stream_id=stream_id, data=frame[FRAME_HEADER_LENGTH:], flow_controlled_length=length)
+    ]
+
+
+def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: bytes) -> bool:
+    """Queue one DATA frame (no padding, no END_STREAM) exactly as ``h2.send_data`` would, or
+    return False: then ``send_data`` must be called (and raises what it raises).
+
+    Taken only on an open connection, for a stream ``h2`` holds in a state that sends DATA
+    (open, or half-closed by the peer), and within the maximum frame size and both
+    outbound windows, which are consumed as ``h2`` consumes them.
+    """
+    size = len(data)
+    if not ENABLED or size > h2conn.max_outbound_frame_size or h2conn.state_machine.state not in _CONNECTION_OPEN:
+        return False
+    stream = h2conn.streams.get(stream_id)
+    if stream is None or stream.state_machine.state not in _STREAM_SENDS_DATA:
+        return False
+    if size > h2conn.outbound_flow_control_window or size > stream.outbound_flow_control_window:
+        return False
+    h2conn.outbound_flow_control_window -= size
+    stream.outbound_flow_control_window -= size
+    h2conn._data_to_send += size.to_bytes(3, "big") + _DATA_NO_FLAGS + stream_id.to_bytes(4, "big")
+    h2conn._data_to_send += data
+    return True
+
+
+_DATA_NO_FLAGS = bytes([DATA_FRAME_TYPE, 0])

@@ -242,6 +242,16 @@ def test_a_header_block_over_the_cap_is_refused_before_it_is_buffered(warm, tmp_
     assert_refused_unbuffered(warm, tmp_path, "header-block-size", ENHANCE_YOUR_CALM, 2, endless_header_block)
 
 
+def test_empty_data_frames_in_a_row_are_refused_as_a_flood(warm, tmp_path):
+    """CVE-2019-9518: empty DATA frames without END_STREAM cost the node work and move nothing."""
+
+    def empty_frames(client: RawClient) -> bytes:
+        stream_id, headers = client.connect_request()
+        return headers + DataFrame(stream_id).serialize() * 10000
+
+    assert_refused_unbuffered(warm, tmp_path, "empty-frames", ENHANCE_YOUR_CALM, 2, empty_frames)
+
+
 def test_the_raw_client_is_a_good_client_when_it_behaves(warm, tmp_path):
     """The control: the same client, well behaved, gets its tunnel (so the floods above prove the limits)."""
     client = RawClient(client_context(warm, tmp_path))

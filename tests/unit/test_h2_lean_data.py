@@ -8,16 +8,20 @@ to :func:`take_data_frame` first). Their events, their answers and their errors 
 
 from __future__ import annotations
 
+import tracemalloc
+
+import h2
 import h2.config
 import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.settings
 import pytest
-from hyperframe.frame import DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame
 
 from ztwisted.h2 import lean_data
-from ztwisted.h2.goaway import GoawayFilter, encode_goaway
+from ztwisted.h2.goaway import EmptyFramesFlood, GoawayFilter, encode_goaway
 from ztwisted.h2.lean_data import take_data_frame
 
 from .h2_support import parse_frames
@@ -283,3 +287,70 @@ def test_data_before_the_response_is_left_to_h2_which_refuses_it():
             lean_data.receive(client, segments)
         outcomes.append(client.data_to_send())
     assert outcomes[0] == outcomes[1] and parse_frames(outcomes[1])[0].error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
+
+
+def test_only_a_checked_h2_release_gets_the_lean_path(monkeypatch):
+    # A release the module was not checked against may check more than it copies.
+    monkeypatch.setattr(h2, "__version__", "4.5.0")
+    assert not lean_data._h2_is_checked()
+    monkeypatch.setattr(h2, "__version__", "4.4.9")
+    assert lean_data._h2_is_checked()
+
+
+def test_a_data_frame_dribbled_byte_by_byte_is_held_in_about_its_own_size():
+    """A peer picks the TLS record size: holding a piece per record cost ~22x the frame."""
+    frame = data(b"d" * 65536)
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=1 << 20, max_header_block=65536)
+    tracemalloc.start()
+    try:
+        for i in range(len(frame) - 1):
+            filt.segments(frame[i : i + 1])
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * len(frame)
+    assert filt.segments(frame[-1:]) == ([(frame, True)], [])
+
+
+def test_data_on_stream_0_goes_to_h2_which_refuses_it_at_its_header():
+    """Not held until whole: h2 sees the header at once, and nothing after it in the read is handled."""
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=1 << 20, max_header_block=65536)
+    on_stream_0 = (
+        (1000).to_bytes(3, "big") + b"\x00\x00" + (0).to_bytes(4, "big") + b"z" * 1000
+    )  # hyperframe refuses it
+    segments, _ = filt.segments(on_stream_0[:100])
+    assert segments == [(on_stream_0[:100], False)]
+    for lean in (False, True):
+        server = Server(lean=lean)
+        with pytest.raises(h2.exceptions.ProtocolError):
+            server.feed(SettingsFrame(0).serialize() + on_stream_0[:9])
+
+
+def test_a_settings_ack_then_a_big_data_frame_in_one_read():
+    """The documented difference: the ACK of our larger frame size applies before the DATA frame."""
+    big = data(b"b" * 20000)
+    for lean, accepted in ((False, False), (True, True)):
+        server = Server(lean=lean)
+        server.h2.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: 1 << 20})
+        server.h2.data_to_send()
+        server.filter = GoawayFilter(expect_client_preface=False, max_frame_size=1 << 20, max_header_block=65536)
+        ack = SettingsFrame(0, flags=["ACK"]).serialize()
+        if accepted:
+            events = server.feed(ack + big)
+            assert [len(e.data) for e in events if isinstance(e, h2.events.DataReceived)] == [20000]
+        else:
+            with pytest.raises(h2.exceptions.FrameTooLargeError):
+                server.feed(ack + big)
+
+
+def test_empty_frames_in_a_row_are_a_flood():
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    empty = data(b"")
+    # One empty frame, or empty frames with something in between, or END_STREAM: fine.
+    filt.segments(empty + data(b"x") + empty + SettingsFrame(0).serialize() + empty + data(b"", flags=["END_STREAM"]))
+    with pytest.raises(EmptyFramesFlood) as raised:
+        filt.segments(empty + empty)
+    assert (raised.value.kind, raised.value.error_code) == ("empty-frames", 0xB)
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    with pytest.raises(EmptyFramesFlood):
+        filt.segments(HeadersFrame(3).serialize() + ContinuationFrame(3).serialize())

@@ -73,6 +73,22 @@ class HeaderBlockTooLarge(FrameLimitExceeded):
     error_code = ENHANCE_YOUR_CALM
 
 
+class EmptyFramesFlood(FrameLimitExceeded):
+    """Empty HEADERS, CONTINUATION or DATA frames without END_STREAM, one after another.
+
+    Each costs the receiver work and moves nothing (CVE-2019-9518, "empty frames
+    flood"); as Envoy's ``max_consecutive_inbound_frames_with_empty_payload``
+    (default 1), more than :data:`MAX_EMPTY_FRAMES_IN_A_ROW` in a row end the connection.
+    """
+
+    kind = "empty-frames"
+    error_code = ENHANCE_YOUR_CALM
+
+
+#: empty HEADERS/CONTINUATION/DATA frames without END_STREAM accepted in a row (Envoy's default)
+MAX_EMPTY_FRAMES_IN_A_ROW = 1
+
+
 def header_block_cap(max_header_list_size: int) -> int:
     """The longest header block accepted, from the advertised SETTINGS_MAX_HEADER_LIST_SIZE.
 
@@ -107,9 +123,11 @@ class GoawayFilter:
     at once (a partial frame too: ``h2`` buffers it; only a DATA frame to be
     cut out, see :meth:`segments`, waits here until whole), so the cost is
     one header parse per frame. Each frame header is checked against
-    ``max_frame_size`` and the header block it belongs to against
-    ``max_header_block`` (:class:`FrameLimitExceeded` is raised), so ``h2``
-    never buffers more than one frame of at most ``max_frame_size`` bytes.
+    ``max_frame_size``, the header block it belongs to against
+    ``max_header_block``, and runs of empty frames against
+    :data:`MAX_EMPTY_FRAMES_IN_A_ROW` (:class:`FrameLimitExceeded` is raised),
+    so ``h2`` never buffers more than one frame of at most ``max_frame_size``
+    bytes, and neither does this filter.
     """
 
     def __init__(self, expect_client_preface: bool, max_frame_size: int, max_header_block: int) -> None:
@@ -118,10 +136,12 @@ class GoawayFilter:
         self._max_header_block = max_header_block
         self._skip = 0  # bytes of the current non-GOAWAY frame body still to pass on
         self._pending = b""  # an incomplete frame header, or an incomplete GOAWAY frame
-        # The pieces of a DATA frame held until whole (see segments), and how many bytes it still lacks.
-        # Kept as pieces, not re-joined per read: a frame dribbled in tiny reads costs linear time.
-        self._held: list[bytes] = []
+        # A DATA frame held until whole (see segments), and how many bytes it still lacks. One
+        # bytearray: a frame dribbled in tiny reads (a peer picks the TLS record size) costs
+        # linear time and its own size, not an object per piece.
+        self._held = bytearray()
         self._held_missing = 0
+        self._empty_frames_in_a_row = 0
         self._header_block = 0  # length of the header block so far
         self._in_header_block = False  # END_HEADERS not seen yet
 
@@ -162,7 +182,9 @@ class GoawayFilter:
             frame_end = position + FRAME_HEADER_LENGTH + length
             # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
             # incomplete one waits in _pending or _held): no more than one frame of checked size.
-            cut_out_data = cut_out_data_frames and self._plain_data_frame(frame_type, flags)
+            cut_out_data = (
+                cut_out_data_frames and self._plain_data_frame(frame_type, flags) and _stream_id(view, position) != 0
+            )
             if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
@@ -174,7 +196,7 @@ class GoawayFilter:
             if start_of_run < position:
                 segments.append((bytes(view[start_of_run:position]), False))
             if frame_end > end:
-                self._held, self._held_missing = [bytes(view[position:end])], frame_end - end
+                self._held, self._held_missing = bytearray(view[position:end]), frame_end - end
                 return segments, goaways
             if cut_out_data:
                 segments.append((bytes(view[position:frame_end]), True))
@@ -202,16 +224,19 @@ class GoawayFilter:
     def _complete_held_frame(self, data: bytes, segments: list[tuple[bytes, bool]]) -> bytes:
         """Add ``data`` to the DATA frame held; once whole, it is the first segment. Returns what follows it."""
         taken = data[: self._held_missing]
-        self._held.append(taken)
+        self._held += taken
         self._held_missing -= len(taken)
         if self._held_missing:
             return b""
-        segments.append((b"".join(self._held), True))
-        self._held = []
+        segments.append((bytes(self._held), True))
+        self._held = bytearray()
         return data[len(taken) :]
 
     def _plain_data_frame(self, frame_type: int, flags: int) -> bool:
-        """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise)."""
+        """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise).
+
+        The caller also leaves DATA on stream 0 to ``h2``, which refuses it at its frame header.
+        """
         return (
             frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG) and not self._in_header_block
         )
@@ -221,6 +246,7 @@ class GoawayFilter:
             raise FrameTooLarge(
                 f"frame of type {frame_type} with {length} bytes, over the maximum frame size {self._max_frame_size}"
             )
+        self._count_empty_frames(length, frame_type, flags)
         if frame_type in (HEADERS_FRAME_TYPE, PUSH_PROMISE_FRAME_TYPE):
             self._header_block = length
         elif frame_type == CONTINUATION_FRAME_TYPE and self._in_header_block:
@@ -233,6 +259,26 @@ class GoawayFilter:
             raise HeaderBlockTooLarge(
                 f"header block of {self._header_block} bytes so far, over the cap of {self._max_header_block}"
             )
+
+    def _count_empty_frames(self, length: int, frame_type: int, flags: int) -> None:
+        # END_STREAM is bit 0x1 of HEADERS and DATA; CONTINUATION has no such flag.
+        empty = (
+            length == 0
+            and frame_type in (DATA_FRAME_TYPE, HEADERS_FRAME_TYPE, CONTINUATION_FRAME_TYPE)
+            and (frame_type == CONTINUATION_FRAME_TYPE or not flags & END_STREAM_FLAG)
+        )
+        if not empty:
+            self._empty_frames_in_a_row = 0
+            return
+        self._empty_frames_in_a_row += 1
+        if self._empty_frames_in_a_row > MAX_EMPTY_FRAMES_IN_A_ROW:
+            raise EmptyFramesFlood(
+                f"{self._empty_frames_in_a_row} empty frames without END_STREAM in a row (last of type {frame_type})"
+            )
+
+
+def _stream_id(view: memoryview, frame_start: int) -> int:
+    return int.from_bytes(view[frame_start + 5 : frame_start + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
 
 
 def _decode_goaway_payload(payload: bytes) -> ReceivedGoaway:

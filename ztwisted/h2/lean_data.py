@@ -33,13 +33,22 @@ the maximum frame size and both outbound windows: the windows are consumed
 and the frame is queued in ``h2``'s send buffer, as ``h2.send_data`` does;
 otherwise the caller uses ``send_data``.
 
+One difference from ``h2`` alone is deliberate: the segments of a read are
+fed one ``receive_data`` call each, and ``h2`` fixes its maximum frame size
+at the start of each call. So when the peer's SETTINGS ACK for our 1 MiB
+frame size and a DATA frame over 16 KiB arrive in one read, the frame is
+accepted: the peer may send it as soon as it applied our settings (RFC 9113
+section 6.5.3), and ``h2`` alone would refuse it until the next read.
+
 This relies on attributes of ``h2`` 4.x that are not public API (listed in
-:data:`H2_INTERNALS`); :data:`ENABLED` says whether this ``h2`` has them,
-and without them every frame simply goes to ``h2``.
+:data:`H2_INTERNALS`) and copies what ``h2`` 4.4 checks; :data:`ENABLED` says
+whether this ``h2`` is a release it was checked against and has them, and
+otherwise every frame simply goes to ``h2``.
 """
 
 from __future__ import annotations
 
+import h2
 import h2.connection
 import h2.events
 import h2.exceptions
@@ -67,6 +76,15 @@ H2_INTERNALS = (
 )
 
 
+#: the h2 releases (major.minor) whose DATA handling this module was checked against, line by line;
+#: another release may check something more, so it gets every frame until someone checks again
+CHECKED_H2_RELEASES = ("4.4",)
+
+
+def _h2_is_checked() -> bool:
+    return ".".join(h2.__version__.split(".")[:2]) in CHECKED_H2_RELEASES
+
+
 def _h2_has_the_internals() -> bool:
     probe = h2.connection.H2Connection()
     try:
@@ -85,8 +103,9 @@ def _h2_has_the_internals() -> bool:
     )
 
 
-#: False if this h2 lacks what :func:`take_data_frame` uses: then every frame goes to h2
-ENABLED = _h2_has_the_internals()
+#: False if this h2 is not a checked release or lacks what :func:`take_data_frame` uses:
+#: then every frame goes to h2
+ENABLED = _h2_is_checked() and _h2_has_the_internals()
 
 
 def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool]]) -> list[h2.events.Event]:

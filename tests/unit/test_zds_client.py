@@ -265,6 +265,7 @@ def test_a_replaced_proxy_starts_only_after_the_old_one_is_removed(harness, own_
     agent.send(add("pod-a"), [other_netns.fileno()])
     yield no_datagram_within(agent, 0.2)
     assert harness.manager.methods() == [("add_pod", "pod-a"), ("remove_pod", "pod-a")]
+    assert not harness.client.ready(), "the pod has no proxy while the old one goes"
     harness.manager.held["pod-a"].callback(None)
     reply, _, _ = yield agent.next()
     assert wire.decode_response(reply).ok

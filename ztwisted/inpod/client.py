@@ -484,8 +484,12 @@ class _Pods:
             # The pod sandbox was re-created: its old namespace (and proxy) are gone.
             # The old proxy's removal ends with closing the listeners, connections
             # and network of whatever the node holds under this uid, so the new one
-            # starts only after it (the Ack waits, as for a Del).
+            # starts only after it (the Ack waits, as for a Del, up to the pod drain
+            # timeout), and the pod counts as starting (not ready) meanwhile. The Ack
+            # answers the Add, i.e. the new proxy's start; a failed removal of the
+            # old one is logged by _remove and does not stop the new one.
             log.info("pod {uid} came back with a new network namespace; replacing its proxy", uid=uid)
+            self._starting.add(uid)
             removed = self._remove(uid)
             return removed.addCallback(lambda _: self._start(uid, request.workload_info, netns))
         previous = self._pending.pop(uid, None)

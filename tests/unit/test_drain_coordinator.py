@@ -796,3 +796,8 @@ def test_the_exponential_backoff_drives_the_pool(clock):
         wait, _ = wait_before_next_attempt(clock, connects, pool)
         assert wait == pytest.approx(min(1.0, 0.025 * 2 ** (failures - 1)) * (1 + reference.uniform(0, 0.5)))
         connects.fail_last()
+
+
+def test_every_built_in_strategy_reads_as_its_name():
+    for strategy in (Immediate(), GoawayOnStart(), LastMile(), ClientEvict(), Gradual()):
+        assert repr(strategy) == f"<drain strategy {strategy.name}>"

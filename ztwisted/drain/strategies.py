@@ -121,7 +121,7 @@ class ClientEvict(DrainStrategy):
         )
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, repr=False)  # DrainStrategy's repr names the strategy
 class Gradual(DrainStrategy):
     name = "gradual"
     description = "when the proxy stops, spread its GOAWAYs over the drain window so clients do not all reconnect at once (as Envoy)"

@@ -11,6 +11,7 @@ address too (a connection to it goes to the service).
 from __future__ import annotations
 
 import bisect
+import functools
 import ipaddress
 import itertools
 import random
@@ -96,6 +97,11 @@ def _tuple(values: Iterable[Any]) -> tuple:
     return tuple(values)
 
 
+# A connection asks for its workloads' identities several times; building (and validating)
+# a SpiffeId each time was a visible part of its cost. Identities are immutable, so shared.
+_spiffe_id = functools.lru_cache(maxsize=1024)(SpiffeId)
+
+
 @attrs.frozen
 class Workload:
     """One workload (a pod, in Kubernetes terms)."""
@@ -126,7 +132,7 @@ class Workload:
 
     @property
     def identity(self) -> SpiffeId:
-        return SpiffeId(self.trust_domain or DEFAULT_TRUST_DOMAIN, self.namespace, self.service_account)
+        return _spiffe_id(self.trust_domain or DEFAULT_TRUST_DOMAIN, self.namespace, self.service_account)
 
     @property
     def healthy(self) -> bool:

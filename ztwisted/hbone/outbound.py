@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 
+from hpack import NeverIndexedHeaderTuple
 from twisted.internet import defer, error
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
@@ -137,7 +138,9 @@ class Outbound:
             source_ip=source[0],
         )
         authority = _authority(str(destination.ip), destination.port)
-        headers = [("forwarded", f'for="{_authority(*source)}"')]
+        # Different for every connection: in the HPACK table it would only push out the
+        # headers that repeat and lengthen every lookup (a "never indexed" literal).
+        headers = [NeverIndexedHeaderTuple("forwarded", f'for="{_authority(*source)}"')]
         baggage = _baggage(source_workload)
         if baggage:
             headers.append(("baggage", baggage))

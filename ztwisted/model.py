@@ -62,8 +62,15 @@ class FrozenMap(Mapping[K, V]):
         return f"FrozenMap({self._data!r})"
 
 
+#: ``ipaddress.ip_address``, remembered: a node parses the same few addresses (its
+#: workloads', its peers', their ports' authorities) several times for every connection,
+#: and parsing was a visible part of a short connection's cost. Bounded; a string that
+#: is not an address raises ValueError as before (and is not remembered).
+parse_ip = functools.lru_cache(maxsize=4096)(ipaddress.ip_address)
+
+
 def _ip(value: Any) -> IPAddress:
-    return value if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else ipaddress.ip_address(value)
+    return value if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else parse_ip(value)
 
 
 def _ips(values: Iterable[Any]) -> tuple[IPAddress, ...]:

@@ -13,6 +13,7 @@ from ztwisted.context import NodeSettings, ProxyContext
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
+from ztwisted.model import parse_ip
 from ztwisted.network import HostNetwork
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
@@ -29,7 +30,7 @@ def parse_authority(authority: str) -> tuple[str, int] | None:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
-        ip = ipaddress.ip_address(host)
+        ip = parse_ip(host)
     except ValueError:
         return None
     port = int(port_text)
@@ -105,7 +106,7 @@ def serves_address(workload, network, ip: str, arrived_at: str) -> bool:
     address a connection arrived at there is the pod's own, and only that one
     is served (never a relay to elsewhere).
     """
-    address = ipaddress.ip_address(ip)
+    address = parse_ip(ip)
     if workload.workload_ips:
         return address in workload.workload_ips
     return not isinstance(network, HostNetwork) and address == ipaddress.ip_address(arrived_at)
@@ -199,9 +200,9 @@ class InboundHBONE:
         decision = authorize(
             self.context.mesh.policies,
             source=connection.peer_identity,
-            source_ip=ipaddress.ip_address(connection.transport.getPeer().host),
+            source_ip=parse_ip(connection.transport.getPeer().host),
             destination=self.workload,
-            destination_ip=ipaddress.ip_address(ip),
+            destination_ip=parse_ip(ip),
             destination_port=port,
         )
         if not decision.allowed:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import ipaddress
 
 from hpack import NeverIndexedHeaderTuple
 from twisted.internet import defer, error
@@ -16,6 +15,7 @@ from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory, Socks5Protocol
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
+from ztwisted.model import parse_ip
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ClientTLS, peer_identity, tls_factory
@@ -119,7 +119,7 @@ class Outbound:
 
     def _resolve_host(self, host: str, client_namespace: str):
         try:
-            return ipaddress.ip_address(host)
+            return parse_ip(host)
         except ValueError:
             pass
         service = self.context.mesh.service_by_hostname(host, client_namespace=client_namespace)

@@ -4,14 +4,17 @@
 
 `ab.py` compares whole `run.py --quick` runs, a minute apart; on a shared
 machine their proxy CPU per short connection moves by 10-20 % from run to
-run, more than a change to one connection's work does. Here both ztwisted
-installs run their node pair side by side (the "after" pair on
-127.NET.12.x/13.x) with their own echo app, and `load.py`'s short
-connections (2 processes x 8 threads, as `run.py`) alternate between them in
-slices of a few seconds (before, after, after, before, ...). Each slice gives
-the two nodes' CPU per connection (`/proc/PID/stat`); the result is the
-median of the paired changes, so the machine's drift hits both sides alike.
-Each Python must have its own ztwisted installed (its `twistd` is used).
+run, more than a change to one connection's work does. Here four ztwisted
+node pairs run side by side, each with its own echo app, in the order
+before, after, after, before (on 127.NET.2/3.x, .12/13.x, .22/23.x and
+.32/33.x, so that neither the order they started in nor their addresses
+favour one install), and `load.py`'s short connections (2 processes x 8
+threads, as `run.py`) go to each pair in turn in slices of a few seconds.
+Each slice gives every pair's CPU per connection (its two nodes,
+`/proc/PID/stat`), and the slice's change is the mean of the "after" pairs
+over the mean of the "before" pairs; the result is the median over slices,
+so the machine's drift hits both sides alike. Each Python must have its own
+ztwisted installed (its `twistd` runs the nodes).
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from ztwisted.ca import CertificateAuthority
 from ztwisted.tools.harness import NodeProcess, twistd_command
 
 
-class _SecondAddresses(Addresses):
-    """The same layout on other /24s of the network, for the second pair."""
+class _ShiftedAddresses(Addresses):
+    """The same layout on the /24s ``first`` and ``first + 1`` of the network, for the other pairs."""
 
-    def __init__(self, net: int):
+    def __init__(self, net: int, first: int):
         super().__init__(net)
-        self.client, self.app = f"127.{net}.12.1", f"127.{net}.13.1"
-        self.node_a, self.node_b = f"127.{net}.12.254", f"127.{net}.13.254"
+        self.client, self.app = f"127.{net}.{first}.1", f"127.{net}.{first + 1}.1"
+        self.node_a, self.node_b = f"127.{net}.{first}.254", f"127.{net}.{first + 1}.254"
 
 
 class _InstallNode(NodeProcess):
@@ -96,38 +99,43 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ztwisted-ab-conns-"))
     state_dir = workdir / "state"
     CertificateAuthority.load_or_create_dev(state_dir)
-    sides = {
-        "before": (Addresses(args.net), args.before),
-        "after": (_SecondAddresses(args.net), args.after),
-    }
+    slots = [
+        ("before", Addresses(args.net), args.before),
+        ("after", _ShiftedAddresses(args.net, 12), args.after),
+        ("after", _ShiftedAddresses(args.net, 22), args.after),
+        ("before", _ShiftedAddresses(args.net, 32), args.before),
+    ]
     started: list = []
     cpu: dict[str, list[float]] = {"before": [], "after": []}
+    changes = []
     try:
-        pairs = {}
-        for label, (addresses, python) in sides.items():
+        pairs = []
+        for index, (label, addresses, python) in enumerate(slots):
             apps = Apps(addresses)
             started.append(apps)
             apps.start()
-            pairs[label] = _InstallPair(addresses, workdir / label, state_dir, python)
-            started.append(pairs[label])
-            pairs[label].start()
-            warm_up(pairs[label])
+            pair = _InstallPair(addresses, workdir / f"{index}-{label}", state_dir, python)
+            started.append(pair)
+            pair.start()
+            warm_up(pair)
+            pairs.append((label, pair))
         for index in range(args.slices):
-            for label in ("before", "after") if index % 2 == 0 else ("after", "before"):
-                cpu[label].append(cpu_per_connection(pairs[label], args.seconds))
-            print(
-                f"slice {index + 1}: before {cpu['before'][-1]:.0f} us, after {cpu['after'][-1]:.0f} us",
-                file=sys.stderr,
-            )
+            used = {"before": [], "after": []}
+            for label, pair in pairs if index % 2 == 0 else reversed(pairs):
+                used[label].append(cpu_per_connection(pair, args.seconds))
+            before, after = statistics.mean(used["before"]), statistics.mean(used["after"])
+            cpu["before"].append(before)
+            cpu["after"].append(after)
+            changes.append(after / before - 1)
+            print(f"slice {index + 1}: before {before:.0f} us, after {after:.0f} us", file=sys.stderr)
     finally:
         for item in reversed(started):
             item.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    changes = [after / before - 1 for before, after in zip(cpu["before"], cpu["after"], strict=True)]
     print("| proxy CPU per short connection (both nodes) | before | after | paired change |")
     print("|---|---|---|---|")
     print(
-        f"| median of {args.slices} interleaved slices of {args.seconds:g} s | "
+        f"| median of {args.slices} interleaved slices of {args.seconds:g} s per pair | "
         f"{statistics.median(cpu['before']):,.0f} us | {statistics.median(cpu['after']):,.0f} us | "
         f"{100 * statistics.median(changes):+.1f} % (mean {100 * statistics.mean(changes):+.1f} %, "
         f"sd {100 * statistics.stdev(changes):.1f} %) |"

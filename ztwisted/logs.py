@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import IO, Any
@@ -51,6 +52,8 @@ ACCESS_FIELDS = (
 _CORE_KEYS = ("time", "level", "scope", "message", "error")
 # An event's message without the fields its text repeats (access-log events), for the JSON observer.
 _BRIEF_KEY = "log_brief"
+# The callable that renders an access-log event's text (its format is just a call of it).
+_TEXT_KEY = "log_access_text"
 # Keys a twisted.python.log (legacy) event carries that formatEvent already used.
 _LEGACY_KEYS = frozenset({"message", "format", "isError", "failure", "why", "time"})
 
@@ -128,8 +131,12 @@ class _FileObserver:
                 flush()
 
 
+# json.dumps() with an option builds a new encoder per call.
+_JSON = json.JSONEncoder(allow_nan=False)
+
+
 def _json_line(event: dict[str, Any]) -> str:
-    return json.dumps(event_as_flat_dict(event), allow_nan=False) + "\n"
+    return _JSON.encode(event_as_flat_dict(event)) + "\n"
 
 
 def json_observer(out_file: IO[str]) -> ILogObserver:
@@ -137,9 +144,13 @@ def json_observer(out_file: IO[str]) -> ILogObserver:
     return _FileObserver(out_file, _json_line)
 
 
+# What makes a key=value value need quotes: whitespace (re's \s is exactly str.isspace), '"', '=' or a backslash.
+_NEEDS_QUOTES = re.compile(r'[\s"=\\]')
+
+
 def _quote(value: Any) -> str:
     text = str(value)
-    if not text or any(c.isspace() or c in '"=\\' for c in text):
+    if not text or _NEEDS_QUOTES.search(text):
         return json.dumps(text)
     return text
 
@@ -193,7 +204,17 @@ def access_log(log: Logger, **fields: Any) -> None:
     ordered = {key: event.pop(key) for key in ACCESS_FIELDS if key in event}
     ordered.update(event)
     level = LogLevel.error if "error" in ordered else LogLevel.info
-    # Field names hold dots, which a format string cannot name: the text is rendered here.
-    text = " ".join([ACCESS_MESSAGE, *(f"{key}={_quote(value)}" for key, value in ordered.items())])
+    # Field names hold dots, which a format string cannot name: the text is rendered by a
+    # call, and only for an observer that formats it (the JSON observer writes the fields).
     access = Logger(namespace=ACCESS_NAMESPACE, source=log.source, observer=log.observer)
-    access.emit(level, text.replace("{", "{{").replace("}", "}}"), **{_BRIEF_KEY: ACCESS_MESSAGE}, **ordered)
+    access.emit(
+        level,
+        "{" + _TEXT_KEY + "()}",
+        **{_BRIEF_KEY: ACCESS_MESSAGE, _TEXT_KEY: functools.partial(_access_text, ordered)},
+        **ordered,
+    )
+
+
+def _access_text(fields: dict[str, Any]) -> str:
+    """An access-log event's text: the message, then ``key=value`` for each field."""
+    return " ".join([ACCESS_MESSAGE, *(f"{key}={_quote(value)}" for key, value in fields.items())])

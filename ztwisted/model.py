@@ -11,6 +11,7 @@ address too (a connection to it goes to the service).
 from __future__ import annotations
 
 import bisect
+import functools
 import ipaddress
 import itertools
 import random
@@ -61,8 +62,15 @@ class FrozenMap(Mapping[K, V]):
         return f"FrozenMap({self._data!r})"
 
 
+#: ``ipaddress.ip_address``, remembered: a node parses the same few addresses (its
+#: workloads', its peers', their ports' authorities) several times for every connection,
+#: and parsing was a visible part of a short connection's cost. Bounded; a string that
+#: is not an address raises ValueError as before (and is not remembered).
+parse_ip = functools.lru_cache(maxsize=4096)(ipaddress.ip_address)
+
+
 def _ip(value: Any) -> IPAddress:
-    return value if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else ipaddress.ip_address(value)
+    return value if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else parse_ip(value)
 
 
 def _ips(values: Iterable[Any]) -> tuple[IPAddress, ...]:
@@ -96,6 +104,11 @@ def _tuple(values: Iterable[Any]) -> tuple:
     return tuple(values)
 
 
+# A connection asks for its workloads' identities several times; building (and validating)
+# a SpiffeId each time was a visible part of its cost. Identities are immutable, so shared.
+_spiffe_id = functools.lru_cache(maxsize=1024)(SpiffeId)
+
+
 @attrs.frozen
 class Workload:
     """One workload (a pod, in Kubernetes terms)."""
@@ -126,7 +139,7 @@ class Workload:
 
     @property
     def identity(self) -> SpiffeId:
-        return SpiffeId(self.trust_domain or DEFAULT_TRUST_DOMAIN, self.namespace, self.service_account)
+        return _spiffe_id(self.trust_domain or DEFAULT_TRUST_DOMAIN, self.namespace, self.service_account)
 
     @property
     def healthy(self) -> bool:

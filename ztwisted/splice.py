@@ -146,4 +146,17 @@ def splice(a, b) -> defer.Deferred:
     """Couple two pipe ends; fires with ``(outcome_a, outcome_b)`` when both are finished."""
     a.set_partner(b)
     b.set_partner(a)
-    return defer.gatherResults([a.finished, b.finished], consumeErrors=True)
+    # Chained, not gatherResults(): DeferredList's machinery was a visible part of a short
+    # connection's cost on both nodes. ``finished`` only ever fires with an outcome.
+    both = defer.Deferred()
+
+    def a_finished(outcome_a):
+        def b_finished(outcome_b):
+            both.callback((outcome_a, outcome_b))
+            return outcome_b
+
+        b.finished.addCallback(b_finished)
+        return outcome_a
+
+    a.finished.addCallback(a_finished)
+    return both

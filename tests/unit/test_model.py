@@ -15,6 +15,7 @@ from ztwisted.model import (
     StringMatch,
     Workload,
     diff,
+    parse_ip,
 )
 
 ECHO_KEY = "default/echo.default.svc.cluster.local"
@@ -229,3 +230,12 @@ def test_diff_by_uid():
     assert d
     assert not diff(old, Mesh([a, b], []))
     assert diff(Mesh([a], []), Mesh([a], [echo_service()])).services_changed
+
+
+def test_parse_ip_is_ip_address_remembered():
+    assert parse_ip("10.0.0.1") == ip_address("10.0.0.1")
+    assert parse_ip("10.0.0.1") is parse_ip("10.0.0.1")
+    assert parse_ip("fd00::1") == ip_address("fd00::1")
+    for bad in ("not-an-ip", "10.0.0.256", ""):
+        with pytest.raises(ValueError):
+            parse_ip(bad)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
-
 import attrs
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
@@ -14,7 +12,7 @@ from ztwisted.context import NodeSettings, ProxyContext
 from ztwisted.h2.connection import HBONEConnection, Stream
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
-from ztwisted.model import Workload
+from ztwisted.model import Workload, parse_ip
 from ztwisted.network import HostNetwork, PodNetwork
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
@@ -31,7 +29,7 @@ def parse_authority(authority: str) -> tuple[str, int] | None:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
-        ip = ipaddress.ip_address(host)
+        ip = parse_ip(host)
     except ValueError:
         return None
     port = int(port_text)
@@ -107,10 +105,10 @@ def serves_address(workload, network, ip: str, arrived_at: str) -> bool:
     address a connection arrived at there is the pod's own, and only that one
     is served (never a relay to elsewhere).
     """
-    address = ipaddress.ip_address(ip)
+    address = parse_ip(ip)
     if workload.workload_ips:
         return address in workload.workload_ips
-    return not isinstance(network, HostNetwork) and address == ipaddress.ip_address(arrived_at)
+    return not isinstance(network, HostNetwork) and address == parse_ip(arrived_at)
 
 
 @attrs.define(eq=False)
@@ -205,9 +203,9 @@ class InboundHBONE:
         decision = authorize(
             self.context.mesh.policies,
             source=connection.peer_identity,
-            source_ip=ipaddress.ip_address(connection.transport.getPeer().host),
+            source_ip=parse_ip(connection.transport.getPeer().host),
             destination=self.workload,
-            destination_ip=ipaddress.ip_address(ip),
+            destination_ip=parse_ip(ip),
             destination_port=port,
         )
         if not decision.allowed:
@@ -336,9 +334,9 @@ class _PlaintextInbound(TCPEnd):
         decision = authorize(
             context.mesh.policies,
             source=None,
-            source_ip=ipaddress.ip_address(self.transport.getPeer().host),
+            source_ip=parse_ip(self.transport.getPeer().host),
             destination=self.inbound.workload,
-            destination_ip=ipaddress.ip_address(ip),
+            destination_ip=parse_ip(ip),
             destination_port=port,
         )
         if not decision.allowed:

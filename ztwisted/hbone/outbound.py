@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import errno
-import ipaddress
 
 import attrs
+from hpack import NeverIndexedHeaderTuple
 from twisted.internet import defer, error
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
@@ -16,6 +16,7 @@ from ztwisted.hbone.pool import ConnectionPool, PoolKey
 from ztwisted.hbone.socks5 import Reply, Socks5Error, Socks5Factory, Socks5Protocol
 from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections, track_hbone_connection
 from ztwisted.metrics import ConnectionLabels
+from ztwisted.model import parse_ip
 from ztwisted.sockets import factory_for, original_destination
 from ztwisted.splice import TCPEnd, splice
 from ztwisted.tls import ClientTLS, peer_identity, tls_factory
@@ -123,7 +124,7 @@ class Outbound:
 
     def _resolve_host(self, host: str, client_namespace: str):
         try:
-            return ipaddress.ip_address(host)
+            return parse_ip(host)
         except ValueError:
             pass
         service = self.context.mesh.service_by_hostname(host, client_namespace=client_namespace)
@@ -142,7 +143,9 @@ class Outbound:
             source_ip=source[0],
         )
         authority = _authority(str(destination.ip), destination.port)
-        headers = [("forwarded", f'for="{_authority(*source)}"')]
+        # Different for every connection: in the HPACK table it would only push out the
+        # headers that repeat and lengthen every lookup (a "never indexed" literal).
+        headers = [NeverIndexedHeaderTuple("forwarded", f'for="{_authority(*source)}"')]
         baggage = _baggage(source_workload)
         if baggage:
             headers.append(("baggage", baggage))

@@ -1,0 +1,147 @@
+"""Before/after of proxy CPU per short connection: both installs' node pairs up at once, load alternating.
+
+    python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON [--slices 16] [--seconds 2] [--net 41]
+
+`ab.py` compares whole `run.py --quick` runs, a minute apart; on a shared
+machine their proxy CPU per short connection moves by 10-20 % from run to
+run, more than a change to one connection's work does. Here four ztwisted
+node pairs run side by side, each with its own echo app, in the order
+before, after, after, before (on 127.NET.2/3.x, .12/13.x, .22/23.x and
+.32/33.x, so that neither the order they started in nor their addresses
+favour one install), and `load.py`'s short connections (2 processes x 8
+threads, as `run.py`) go to each pair in turn in slices of a few seconds.
+Each slice gives every pair's CPU per connection (its two nodes,
+`/proc/PID/stat`), and the slice's change is the mean of the "after" pairs
+over the mean of the "before" pairs; the result is the median over slices,
+so the machine's drift hits both sides alike. Each Python must have its own
+ztwisted installed (its `twistd` runs the nodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import load
+from paths import MESH, Addresses, Apps, Ztwisted
+from run import cpu_seconds, warm_up
+
+from ztwisted.ca import CertificateAuthority
+from ztwisted.tools.harness import NodeProcess, twistd_command
+
+
+class _ShiftedAddresses(Addresses):
+    """The same layout on the /24s ``first`` and ``first + 1`` of the network, for the other pairs."""
+
+    def __init__(self, net: int, first: int):
+        super().__init__(net)
+        self.client, self.app = f"127.{net}.{first}.1", f"127.{net}.{first + 1}.1"
+        self.node_a, self.node_b = f"127.{net}.{first}.254", f"127.{net}.{first + 1}.254"
+
+
+class _InstallNode(NodeProcess):
+    """A node run by the ``twistd`` of a given install instead of this Python's."""
+
+    def __init__(self, *args, twistd: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.twistd = twistd
+
+    def command(self) -> list[str]:
+        return [self.twistd, *super().command()[len(twistd_command()) :]]
+
+
+class _InstallPair(Ztwisted):
+    def __init__(self, addresses: Addresses, workdir: Path, state_dir: Path, python: str):
+        super().__init__(addresses, workdir, state_dir)
+        self.twistd = str(Path(python).with_name("twistd"))
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "mesh.yaml"
+        config.write_text(MESH.format(client=self.addresses.client, app=self.addresses.app))
+        for name, ip in (("node-b", self.addresses.node_b), ("node-a", self.addresses.node_a)):
+            node = _InstallNode(
+                self.workdir / name,
+                name=name,
+                control_ip=ip,
+                config=config,
+                node=name,
+                state_dir=self.state_dir,
+                twistd=self.twistd,
+            )
+            self.nodes.append(node)
+            node.start()
+
+
+def cpu_per_connection(pair: _InstallPair, seconds: float) -> float:
+    pids = pair.pids().values()
+    before = sum(cpu_seconds(pid) for pid in pids)
+    result = load.short_connections(pair.echo, seconds, 2, 8)
+    if result["errors"]:
+        raise RuntimeError(f"{result['errors']} short connections failed: {result['first_error']}")
+    return (sum(cpu_seconds(pid) for pid in pids) - before) / result["ok"] * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("before", help="the Python of the 'before' install")
+    parser.add_argument("after", help="the Python of the 'after' install")
+    parser.add_argument("--slices", type=int, default=16, help="slices per side (default 16)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds of load per slice (default 2)")
+    parser.add_argument("--net", type=int, default=41)
+    args = parser.parse_args()
+    if args.slices < 2:
+        parser.error("--slices must be at least 2")
+    workdir = Path(tempfile.mkdtemp(prefix="ztwisted-ab-conns-"))
+    state_dir = workdir / "state"
+    CertificateAuthority.load_or_create_dev(state_dir)
+    slots = [
+        ("before", Addresses(args.net), args.before),
+        ("after", _ShiftedAddresses(args.net, 12), args.after),
+        ("after", _ShiftedAddresses(args.net, 22), args.after),
+        ("before", _ShiftedAddresses(args.net, 32), args.before),
+    ]
+    started: list = []
+    cpu: dict[str, list[float]] = {"before": [], "after": []}
+    changes = []
+    try:
+        pairs = []
+        for index, (label, addresses, python) in enumerate(slots):
+            apps = Apps(addresses)
+            started.append(apps)
+            apps.start()
+            pair = _InstallPair(addresses, workdir / f"{index}-{label}", state_dir, python)
+            started.append(pair)
+            pair.start()
+            warm_up(pair)
+            pairs.append((label, pair))
+        for index in range(args.slices):
+            used = {"before": [], "after": []}
+            for label, pair in pairs if index % 2 == 0 else reversed(pairs):
+                used[label].append(cpu_per_connection(pair, args.seconds))
+            before, after = statistics.mean(used["before"]), statistics.mean(used["after"])
+            cpu["before"].append(before)
+            cpu["after"].append(after)
+            changes.append(after / before - 1)
+            print(f"slice {index + 1}: before {before:.0f} us, after {after:.0f} us", file=sys.stderr)
+    finally:
+        for item in reversed(started):
+            item.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("| proxy CPU per short connection (both nodes) | before | after | paired change |")
+    print("|---|---|---|---|")
+    print(
+        f"| median of {args.slices} interleaved slices of {args.seconds:g} s per pair | "
+        f"{statistics.median(cpu['before']):,.0f} us | {statistics.median(cpu['after']):,.0f} us | "
+        f"{100 * statistics.median(changes):+.1f} % (mean {100 * statistics.mean(changes):+.1f} %, "
+        f"sd {100 * statistics.stdev(changes):.1f} %) |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

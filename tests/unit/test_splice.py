@@ -1,0 +1,58 @@
+"""ztwisted.splice.splice: what a spliced pair reports when both ends are finished."""
+
+from __future__ import annotations
+
+from twisted.internet import error
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+
+from ztwisted.splice import TCPEnd, splice
+
+
+class _HalfCloseableTransport(StringTransport):
+    write_closed = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+
+def _connected_end() -> TCPEnd:
+    end = TCPEnd()
+    end.makeConnection(_HalfCloseableTransport())
+    return end
+
+
+def test_outcomes_come_in_argument_order_whichever_end_finishes_first():
+    a, b = _connected_end(), _connected_end()
+    outcomes = []
+    splice(a, b).addCallback(outcomes.append)
+    b.connectionLost(Failure(error.ConnectionDone()))  # b's peer left mid-stream: a is aborted
+    assert outcomes == []
+    a.connectionLost(Failure(error.ConnectionLost()))
+    assert outcomes == [("reset", "closed early")]
+
+
+def test_outcomes_of_a_clean_close_from_both_sides():
+    a, b = _connected_end(), _connected_end()
+    outcomes = []
+    splice(a, b).addCallback(outcomes.append)
+    a.readConnectionLost()  # a's peer is done sending: b's write side is closed in turn
+    assert b.transport.write_closed
+    b.readConnectionLost()
+    a.writeConnectionLost()
+    a.connectionLost(Failure(error.ConnectionDone()))
+    assert outcomes == []
+    b.writeConnectionLost()
+    b.connectionLost(Failure(error.ConnectionDone()))
+    assert outcomes == [("closed", "closed")]
+
+
+def test_each_ends_own_finished_keeps_its_outcome():
+    a, b = _connected_end(), _connected_end()
+    splice(a, b)
+    seen = []
+    a.finished.addCallback(seen.append)
+    b.finished.addCallback(seen.append)
+    a.connectionLost(Failure(error.ConnectionLost()))
+    b.connectionLost(Failure(error.ConnectionDone()))
+    assert seen == ["reset by peer", "reset"]

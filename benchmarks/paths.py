@@ -34,7 +34,7 @@ from pathlib import Path
 from ztwisted.ca import CertificateAuthority
 from ztwisted.identity import SpiffeId
 from ztwisted.netns import call_in_netns
-from ztwisted.tools.harness import NodeProcess
+from ztwisted.tools.harness import NodeProcess, terminate
 from ztwisted.tools.lab.netns import Namespaces
 from ztwisted.tools.lab.ztunnel_peer import ZtunnelInstall, ZtunnelPeer
 
@@ -100,13 +100,7 @@ class Apps:
 
 def stop_processes(processes) -> None:
     for process in processes:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        terminate(process)
 
 
 class BenchPath:

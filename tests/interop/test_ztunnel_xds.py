@@ -30,7 +30,7 @@ from tests.integration.inpod_support import (
 from tests.integration.xds_support import deny_policy, http_json, in_netns, socks_echo
 from tests.support import wait_until
 from ztwisted.tools.control_plane import ControlPlaneProcess
-from ztwisted.tools.harness import NodeProcess
+from ztwisted.tools.harness import NodeProcess, terminate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "ztw35x-"
@@ -191,13 +191,8 @@ def lab(tmp_path):
             "ztunnel_log": tmp_path / "ztunnel.log",
         }
     finally:
-        if "ztunnel" in locals() and ztunnel.poll() is None:
-            ztunnel.terminate()
-            try:
-                ztunnel.wait(10)
-            except subprocess.TimeoutExpired:
-                ztunnel.kill()
-                ztunnel.wait()
+        if "ztunnel" in locals():
+            terminate(ztunnel)
         for item in reversed(started):
             if isinstance(item, NodeProcess):
                 try:

@@ -160,6 +160,18 @@ class NodeProcess:
             self.process.wait()
 
 
+def terminate(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM a helper process and wait for it; SIGKILL it if it is not gone within ``timeout``."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def read_log(path: Path) -> str:
     """A process's log (its stdout and stderr) as it is now; empty if it has written none yet."""
     try:

@@ -36,7 +36,7 @@ from tests.integration.inpod_support import (
     start_echo,
 )
 from tests.support import wait_until
-from ztwisted.tools.harness import NodeProcess
+from ztwisted.tools.harness import NodeProcess, terminate
 from ztwisted.tools.lab.ztunnel_peer import ZtunnelPeer
 
 pytestmark = [pytest.mark.interop, pytest.mark.root]
@@ -259,9 +259,4 @@ class _Process:
         self.process = process
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process, timeout=5)

@@ -32,7 +32,7 @@ from pathlib import Path
 import attr
 
 from ztwisted.netns import call_in_netns, enter_netns
-from ztwisted.tools.harness import NodeProcess
+from ztwisted.tools.harness import NodeProcess, terminate
 from ztwisted.tools.lab.mesh import APP_PORT, SERVICE_PORT, write_mesh
 from ztwisted.tools.lab.platform import LabError, Platform
 from ztwisted.tools.lab.server import ServerApp
@@ -280,13 +280,8 @@ class Agent:
         return answer, time.monotonic() - started
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            terminate(self.process)
         if getattr(self, "_log", None) is not None:
             self._log.close()
         if self._short_dir is not None:

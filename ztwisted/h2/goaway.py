@@ -246,7 +246,10 @@ class GoawayFilter:
             raise FrameTooLarge(
                 f"frame of type {frame_type} with {length} bytes, over the maximum frame size {self._max_frame_size}"
             )
-        self._count_empty_frames(length, frame_type, flags)
+        if length == 0:
+            self._count_empty_frame(frame_type, flags)
+        elif self._empty_frames_in_a_row:
+            self._empty_frames_in_a_row = 0  # a frame that carries something ends the run
         if frame_type in (HEADERS_FRAME_TYPE, PUSH_PROMISE_FRAME_TYPE):
             self._header_block = length
         elif frame_type == CONTINUATION_FRAME_TYPE and self._in_header_block:
@@ -260,14 +263,13 @@ class GoawayFilter:
                 f"header block of {self._header_block} bytes so far, over the cap of {self._max_header_block}"
             )
 
-    def _count_empty_frames(self, length: int, frame_type: int, flags: int) -> None:
+    def _count_empty_frame(self, frame_type: int, flags: int) -> None:
+        # Only called for frames without payload, so a frame of data costs one comparison.
         # END_STREAM is bit 0x1 of HEADERS and DATA; CONTINUATION has no such flag.
-        empty = (
-            length == 0
-            and frame_type in (DATA_FRAME_TYPE, HEADERS_FRAME_TYPE, CONTINUATION_FRAME_TYPE)
-            and (frame_type == CONTINUATION_FRAME_TYPE or not flags & END_STREAM_FLAG)
+        counted = frame_type in (DATA_FRAME_TYPE, HEADERS_FRAME_TYPE, CONTINUATION_FRAME_TYPE) and (
+            frame_type == CONTINUATION_FRAME_TYPE or not flags & END_STREAM_FLAG
         )
-        if not empty:
+        if not counted:
             self._empty_frames_in_a_row = 0
             return
         self._empty_frames_in_a_row += 1

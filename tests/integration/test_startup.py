@@ -59,11 +59,12 @@ def test_start_up_log_in_text_format_has_the_same_lines(tmp_path, mesh):
     assert "Starting factory" not in text and " starting on " not in text and "Closed)" not in text
 
 
-def ztunnel_command(tmp_path, mesh, *args: str) -> list[str]:
+def ztunnel_command(tmp_path, mesh, *args: str, twistd_options: tuple[str, ...] = ()) -> list[str]:
     """``twistd -n ztunnel`` in the foreground with this test's state directory and mesh, then ``args``."""
     return twistd_command() + [
         "-n",
         "--pidfile=",
+        *twistd_options,
         "ztunnel",
         "--state-dir",
         str(tmp_path / "state"),
@@ -73,12 +74,14 @@ def ztunnel_command(tmp_path, mesh, *args: str) -> list[str]:
     ]
 
 
-def start_and_stop(tmp_path, mesh, *args: str) -> str:
+def start_and_stop(tmp_path, mesh, *args: str, twistd_options: tuple[str, ...] = ()) -> str:
     """Everything a ``twistd -n ztunnel`` prints from its start until it stopped on SIGTERM."""
     log = tmp_path / "twistd.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            ztunnel_command(tmp_path, mesh, "--node", "node-s", *control_listeners(), *args),
+            ztunnel_command(
+                tmp_path, mesh, "--node", "node-s", *control_listeners(), *args, twistd_options=twistd_options
+            ),
             cwd=tmp_path,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -93,6 +96,13 @@ def start_and_stop(tmp_path, mesh, *args: str) -> str:
         process.send_signal(signal.SIGTERM)
         process.wait(20)
     return log.read_text()
+
+
+def test_twistd_ztunnel_runs_on_ztwisted_epoll_unless_another_reactor_is_named(tmp_path, mesh):
+    assert "reactor class: ztwisted.reactor.LeanEPollReactor." in start_and_stop(tmp_path, mesh)
+    named = start_and_stop(tmp_path, mesh, twistd_options=("--reactor=poll",))
+    assert "reactor class: twisted.internet.pollreactor.PollReactor." in named
+    assert "node proxy ready" in named
 
 
 @pytest.mark.parametrize("option", ["--admin", "--readiness"])

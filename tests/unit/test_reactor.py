@@ -1,0 +1,153 @@
+"""ztwisted's reactor: Twisted's epoll reactor minus the per-event log context, found as a twistd plugin."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from twisted.application.reactors import getReactorTypes
+from twisted.internet.abstract import FileDescriptor
+from twisted.internet.error import ConnectionDone
+from twisted.internet.main import CONNECTION_DONE
+from twisted.python import log as legacy_log
+
+from ztwisted.reactor import LeanEPollReactor, install_unless_chosen
+
+
+class Readable(FileDescriptor):
+    """One end of a socket pair; ``handle`` runs on each ``doRead``."""
+
+    def __init__(self, reactor, sock: socket.socket, handle):
+        super().__init__(reactor)
+        self.sock = sock
+        self.handle = handle
+        self.reads = 0
+        self.lost = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def doRead(self):
+        self.reads += 1
+        return self.handle(self)
+
+    def connectionLost(self, reason) -> None:
+        self.lost.append(reason)
+        super().connectionLost(reason)
+
+
+def read_all(readable: Readable):
+    readable.sock.recv(1024)
+
+
+@pytest.fixture
+def lean_reactor():
+    reactor = LeanEPollReactor()
+    yield reactor
+    # Not removeAll(): the test's sockets may be closed already, and closing epoll forgets them.
+    reactor.waker.connectionLost(None)
+    reactor._poller.close()
+
+
+@pytest.fixture
+def pairs():
+    made = []
+
+    def make():
+        pair = socket.socketpair()
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        for sock in pair:
+            sock.close()
+
+
+def test_a_ready_descriptor_is_read(lean_reactor, pairs):
+    ours, theirs = pairs()
+    readable = Readable(lean_reactor, ours, read_all)
+    lean_reactor.addReader(readable)
+    lean_reactor.doIteration(0)
+    assert readable.reads == 0
+    theirs.send(b"x")
+    lean_reactor.doIteration(1)
+    assert readable.reads == 1
+
+
+def test_a_reason_returned_by_do_read_disconnects_the_descriptor(lean_reactor, pairs):
+    ours, theirs = pairs()
+    readable = Readable(lean_reactor, ours, lambda _: CONNECTION_DONE)
+    lean_reactor.addReader(readable)
+    theirs.send(b"x")
+    lean_reactor.doIteration(1)
+    assert len(readable.lost) == 1 and readable.lost[0].check(ConnectionDone)
+    assert readable not in lean_reactor.getReaders()
+
+
+def test_an_exception_in_do_read_is_logged_and_disconnects_only_that_descriptor(lean_reactor, pairs, logged):
+    failing_end, failing_peer = pairs()
+    fine_end, fine_peer = pairs()
+
+    def fail(_):
+        raise ZeroDivisionError("handler bug")
+
+    failing = Readable(lean_reactor, failing_end, fail)
+    fine = Readable(lean_reactor, fine_end, read_all)
+    lean_reactor.addReader(failing)
+    lean_reactor.addReader(fine)
+    failing_peer.send(b"x")
+    fine_peer.send(b"x")
+    lean_reactor.doIteration(1)
+    assert [reason.type for reason in failing.lost] == [ZeroDivisionError]
+    assert fine.reads == 1 and fine.lost == []
+    # Twisted's own report, as a legacy log.err event (its "failure" key).
+    assert any(event.get("isError") and event["failure"].check(ZeroDivisionError) for event in logged)
+
+
+def test_a_descriptor_removed_by_an_earlier_handler_of_the_same_poll_is_not_called(lean_reactor, pairs):
+    first_end, first_peer = pairs()
+    second_end, second_peer = pairs()
+    readables = []
+
+    def remove_the_other(readable):
+        read_all(readable)
+        other = readables[1] if readable is readables[0] else readables[0]
+        lean_reactor.removeReader(other)
+
+    readables += [
+        Readable(lean_reactor, first_end, remove_the_other),
+        Readable(lean_reactor, second_end, remove_the_other),
+    ]
+    for readable in readables:
+        lean_reactor.addReader(readable)
+    first_peer.send(b"x")
+    second_peer.send(b"x")
+    lean_reactor.doIteration(1)
+    assert sorted(readable.reads for readable in readables) == [0, 1]
+
+
+def test_the_handler_runs_without_twisteds_legacy_log_context(lean_reactor, pairs):
+    # What the reactor leaves out: Twisted's epoll reactor would show the descriptor's logPrefix here.
+    ours, theirs = pairs()
+    seen = []
+    readable = Readable(lean_reactor, ours, lambda r: seen.append(legacy_log.context.get(legacy_log.ILogContext)))
+    readable.logPrefix = lambda: "our-prefix"
+    lean_reactor.addReader(readable)
+    theirs.send(b"x")
+    lean_reactor.doIteration(1)
+    assert len(seen) == 1 and seen[0].get("system") != "our-prefix"
+
+
+def test_twistd_finds_it_as_the_ztwisted_epoll_reactor_plugin():
+    found = {installer.shortName: installer for installer in getReactorTypes()}
+    assert found["ztwisted-epoll"].moduleName == "ztwisted.reactor"
+
+
+def test_install_unless_chosen_leaves_an_installed_reactor_alone():
+    from twisted.internet import reactor
+
+    install_unless_chosen()
+    from twisted.internet import reactor as after
+
+    assert after is reactor and not isinstance(reactor, LeanEPollReactor)

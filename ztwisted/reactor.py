@@ -16,6 +16,14 @@ exception raised by ``doRead``) has ``system`` ``"-"`` instead of the
 protocol's prefix. Everything else, error handling included, is Twisted's
 ``EPollReactor``.
 
+It also runs calls *after the events* of a poll (:meth:`LeanEPollReactor.callAfterEvents`):
+Twisted's TLS transport sends the writes of a reactor turn together, in a
+``callLater(0)`` per connection and turn, which costs a timed call (an
+object, a heap insertion, the timed-call queue's upkeep) for every burst of
+writes. :class:`AfterEventsClock` turns that ``callLater(0)`` into an
+after-events call: the same moment (once every ready socket of the poll
+was handled, before the reactor waits again) without the timed call.
+
 It is installed by ``twistd ztunnel`` when no reactor was chosen (see
 :func:`install_unless_chosen`); ``twistd --reactor=NAME ztunnel`` still
 picks any other, and ``twistd --reactor=ztwisted-epoll`` names this one.
@@ -24,8 +32,29 @@ picks any other, and ``twistd --reactor=ztwisted-epoll`` names this one.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
+import attrs
 from twisted.internet.epollreactor import EPollReactor
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from zope.interface import implementer
+
+log = Logger()
+
+
+class AfterEventsCall:
+    """A call :meth:`LeanEPollReactor.callAfterEvents` will make, unless cancelled first."""
+
+    __slots__ = ("function", "cancelled")
+
+    def __init__(self, function: Callable[[], Any]) -> None:
+        self.function = function
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 class LeanEPollReactor(EPollReactor):
@@ -34,7 +63,20 @@ class LeanEPollReactor(EPollReactor):
     The reactor's loop calls ``doIteration`` (``EPollReactor.doPoll`` under another name).
     """
 
+    def __init__(self) -> None:
+        self._after_events: list[AfterEventsCall] = []
+        super().__init__()
+
+    def callAfterEvents(self, function: Callable[[], Any]) -> AfterEventsCall:
+        """Call ``function`` once the ready sockets of the current poll were handled (or, asked
+        outside the handling of a poll, as by a timed call, before the reactor next waits)."""
+        call = AfterEventsCall(function)
+        self._after_events.append(call)
+        return call
+
     def doIteration(self, timeout: float | None) -> None:
+        if self._after_events:  # asked for by timed calls: not after a wait of up to `timeout`
+            self._run_after_events()
         try:
             ready = self._poller.poll(-1 if timeout is None else timeout, len(self._selectables))
         except InterruptedError:
@@ -46,6 +88,47 @@ class LeanEPollReactor(EPollReactor):
             # Gone already: an earlier descriptor's handler in this batch removed it.
             if selectable is not None:
                 handle(selectable, fd, event)
+        if self._after_events:
+            self._run_after_events()
+
+    def _run_after_events(self) -> None:
+        calls, self._after_events = self._after_events, []
+        for call in calls:
+            if not call.cancelled:
+                try:
+                    call.function()
+                except Exception:
+                    # As a timed call's exception is: logged, and the other calls still run.
+                    log.failure("an after-events call raised")
+
+
+@implementer(IReactorTime)
+@attrs.frozen
+class AfterEventsClock:
+    """``reactor`` as a clock whose ``callLater(0, ...)`` is an after-events call.
+
+    For Twisted's TLS write aggregation (``TLSMemoryBIOFactory(clock=...)``),
+    whose only use of its clock is ``callLater(0, flush)`` and ``cancel()``.
+    """
+
+    reactor: LeanEPollReactor
+
+    def callLater(self, delay: float, callable: Callable[..., Any], *args: Any, **kw: Any):
+        if delay == 0:
+            return self.reactor.callAfterEvents(lambda: callable(*args, **kw))
+        return self.reactor.callLater(delay, callable, *args, **kw)
+
+    def seconds(self) -> float:
+        return self.reactor.seconds()
+
+    def getDelayedCalls(self):
+        return self.reactor.getDelayedCalls()
+
+
+def write_aggregation_clock(reactor: IReactorTime) -> IReactorTime:
+    """The clock for Twisted's TLS write aggregation: :class:`AfterEventsClock` on ztwisted's
+    reactor, ``reactor`` itself on any other (there ``callLater(0)`` does the same, slower)."""
+    return AfterEventsClock(reactor) if isinstance(reactor, LeanEPollReactor) else reactor
 
 
 def install() -> None:

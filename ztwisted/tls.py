@@ -19,6 +19,7 @@ from OpenSSL import SSL, crypto
 from twisted.internet.interfaces import (
     IOpenSSLClientConnectionCreator,
     IOpenSSLServerConnectionCreator,
+    IReactorTime,
 )
 from twisted.logger import Logger
 from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
@@ -26,6 +27,7 @@ from zope.interface import implementer
 
 from ztwisted.ca import IssuedCertificate
 from ztwisted.identity import SpiffeId, spiffe_ids, uri_sans
+from ztwisted.reactor import write_aggregation_clock
 from ztwisted.sockets import write_through
 
 try:
@@ -326,9 +328,12 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             pass  # nothing in the send BIO
 
 
-def tls_factory(creator, is_client: bool, wrapped_factory, factory_class=TLSMemoryBIOFactory) -> TLSMemoryBIOFactory:
+def tls_factory(
+    creator, is_client: bool, wrapped_factory, reactor: IReactorTime, factory_class=TLSMemoryBIOFactory
+) -> TLSMemoryBIOFactory:
     """A ``TLSMemoryBIOFactory`` (or ``factory_class``, a subclass) for HBONE connections: see
-    :class:`_WriteThroughTLSTransport`."""
-    factory = factory_class(creator, is_client, wrapped_factory)
+    :class:`_WriteThroughTLSTransport`; a turn's writes are sent together after the turn's
+    events (:func:`~ztwisted.reactor.write_aggregation_clock`)."""
+    factory = factory_class(creator, is_client, wrapped_factory, clock=write_aggregation_clock(reactor))
     factory.protocol = _WriteThroughTLSTransport
     return factory

@@ -11,7 +11,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.main import CONNECTION_DONE
 from twisted.python import log as legacy_log
 
-from ztwisted.reactor import LeanEPollReactor, install_unless_chosen
+from ztwisted.reactor import AfterEventsClock, LeanEPollReactor, install_unless_chosen, write_aggregation_clock
 
 
 class Readable(FileDescriptor):
@@ -137,6 +137,69 @@ def test_the_handler_runs_without_twisteds_legacy_log_context(lean_reactor, pair
     theirs.send(b"x")
     lean_reactor.doIteration(1)
     assert len(seen) == 1 and seen[0].get("system") != "our-prefix"
+
+
+def test_after_events_calls_run_once_every_ready_descriptor_of_the_poll_was_handled(lean_reactor, pairs):
+    order = []
+    readables = []
+    for _ in range(2):
+        ours, theirs = pairs()
+        readable = Readable(lean_reactor, ours, lambda r: (read_all(r), order.append("read")))
+        readables.append(readable)
+        lean_reactor.addReader(readable)
+        theirs.send(b"x")
+    readables[0].handle = lambda r: (
+        read_all(r),
+        order.append("read"),
+        lean_reactor.callAfterEvents(lambda: order.append("after")),
+    )
+    lean_reactor.doIteration(1)
+    assert order == ["read", "read", "after"]
+    order.clear()
+    lean_reactor.doIteration(0)
+    assert order == [], "made once"
+
+
+def test_an_after_events_call_asked_for_outside_a_poll_runs_before_the_reactor_waits(lean_reactor, pairs):
+    # As a timed call's write must not wait for the next event: the call makes a socket readable,
+    # and the poll right after it already sees that.
+    ours, theirs = pairs()
+    seen = []
+    readable = Readable(lean_reactor, ours, lambda r: (read_all(r), seen.append("read")))
+    lean_reactor.addReader(readable)
+    lean_reactor.callAfterEvents(lambda: (seen.append("after"), theirs.send(b"x")))
+    lean_reactor.doIteration(5)
+    assert seen == ["after", "read"]
+
+
+def test_a_cancelled_after_events_call_is_not_made_and_one_that_raises_is_logged(lean_reactor, logged):
+    made = []
+    lean_reactor.callAfterEvents(lambda: made.append("cancelled")).cancel()
+    lean_reactor.callAfterEvents(lambda: 1 / 0)
+    lean_reactor.callAfterEvents(lambda: made.append("next"))
+    lean_reactor.doIteration(0)
+    assert made == ["next"]
+    assert any(event.get("log_failure") and event["log_failure"].check(ZeroDivisionError) for event in logged)
+
+
+def test_the_write_aggregation_clock_turns_call_later_0_into_an_after_events_call(lean_reactor):
+    clock = write_aggregation_clock(lean_reactor)
+    assert isinstance(clock, AfterEventsClock)
+    made = []
+    clock.callLater(0, made.append, "now")
+    later = clock.callLater(30, made.append, "later")
+    assert later in lean_reactor.getDelayedCalls() and later in clock.getDelayedCalls()
+    lean_reactor.doIteration(0)
+    assert made == ["now"]
+    later.cancel()
+    lean_reactor.seconds = lambda: 42.0
+    assert clock.seconds() == 42.0
+
+
+def test_on_another_reactor_the_write_aggregation_clock_is_that_reactor():
+    from twisted.internet import reactor
+
+    assert write_aggregation_clock(reactor) is reactor
 
 
 def test_twistd_finds_it_as_the_ztwisted_epoll_reactor_plugin():

@@ -466,7 +466,7 @@ def _tls_factory_client(reactor, server_cert, client_cert):
     )
     port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server_factory)
     endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
-    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer)))
+    client_tls = yield endpoint.connect(tls_factory(client_for(client_cert), True, Factory.forProtocol(Peer), reactor))
     return port, servers, client_tls
 
 

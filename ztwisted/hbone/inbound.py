@@ -84,8 +84,8 @@ class _InboundTLSFactory(TLSMemoryBIOFactory):
     """Closes a connection at once while the workload has no certificate to present (one from a
     remote CA may still be on its way), instead of failing inside the TLS setup."""
 
-    def __init__(self, server_tls: ServerTLS, is_client: bool, wrapped_factory):
-        super().__init__(server_tls, is_client, wrapped_factory)
+    def __init__(self, server_tls: ServerTLS, is_client: bool, wrapped_factory, clock):
+        super().__init__(server_tls, is_client, wrapped_factory, clock=clock)
         self._server_tls = server_tls
 
     def buildProtocol(self, addr):
@@ -129,7 +129,9 @@ class InboundHBONE:
         )
 
     def factory(self) -> TLSMemoryBIOFactory:
-        return tls_factory(self._tls, False, _ConnectionFactory(self), factory_class=_InboundTLSFactory)
+        return tls_factory(
+            self._tls, False, _ConnectionFactory(self), self.context.reactor, factory_class=_InboundTLSFactory
+        )
 
     def _connection_made(self, connection: HBONEConnection) -> None:
         track_hbone_connection(self.context.metrics, connection, "inbound")

@@ -161,7 +161,7 @@ class Outbound:
             settings=context.client_h2_settings,
             get_peer_identity=peer_identity,
         )
-        factory = tls_factory(creator, True, factory_for(connection))
+        factory = tls_factory(creator, True, factory_for(connection), context.reactor)
         factory.noisy = False
         ip, port = key.destination
         source = context.local_workload_by_ip(key.source_ip)

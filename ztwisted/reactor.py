@@ -5,16 +5,18 @@ Twisted's epoll reactor wraps every ready file descriptor's ``doRead`` or
 context (a dict) to put the protocol's ``logPrefix()`` in it, so that a
 ``twisted.python.log.msg`` call made inside shows that prefix as its
 ``system``. A proxy forwarding small messages handles one or two such events
-per message and node, and this wrapping is ~10 % of the node's Python time
-in a ping-pong (see ``benchmarks/README.md``). ztwisted logs through
+per message and node, and this wrapping was ~14 % of each node's Python time
+in a ping-pong (``benchmarks/README.md``, where its removal is measured). ztwisted logs through
 ``twisted.logger``, whose events carry their own namespace and never read
 that context, so the wrapping buys ztwisted nothing.
 
 What changes for anyone else's code: a legacy ``log.msg``/``log.err`` made
 while a descriptor is handled (including Twisted's own report of an
 exception raised by ``doRead``) has ``system`` ``"-"`` instead of the
-protocol's prefix. Everything else, error handling included, is Twisted's
-``EPollReactor``.
+protocol's prefix. An exception that escapes Twisted's handling of a
+descriptor (from a protocol's ``connectionLost``, say) is logged with the
+descriptor's repr and the poll's other descriptors are still handled, as
+``callWithLogger`` did. Everything else is Twisted's ``EPollReactor``.
 
 It also runs calls *after the events* of a poll (:meth:`LeanEPollReactor.callAfterEvents`):
 Twisted's TLS transport sends the writes of a reactor turn together, in a
@@ -31,6 +33,7 @@ picks any other, and ``twistd --reactor=ztwisted-epoll`` names this one.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +45,8 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 log = Logger()
+# As Twisted's timed calls: any exception is logged, and the other calls are still made.
+_after_events_failure = log.failureHandler("while making an after-events call")
 
 
 class AfterEventsCall:
@@ -69,7 +74,9 @@ class LeanEPollReactor(EPollReactor):
 
     def callAfterEvents(self, function: Callable[[], Any]) -> AfterEventsCall:
         """Call ``function`` once the ready sockets of the current poll were handled (or, asked
-        outside the handling of a poll, as by a timed call, before the reactor next waits)."""
+        outside the handling of a poll, as by a timed call, before the reactor next waits).
+
+        From the reactor's thread only (other threads: ``callFromThread``)."""
         call = AfterEventsCall(function)
         self._after_events.append(call)
         return call
@@ -77,6 +84,9 @@ class LeanEPollReactor(EPollReactor):
     def doIteration(self, timeout: float | None) -> None:
         if self._after_events:  # asked for by timed calls: not after a wait of up to `timeout`
             self._run_after_events()
+            # What they did may have scheduled a timed call or another after-events call,
+            # which the caller's timeout does not know of: look at the sockets without waiting.
+            timeout = 0
         try:
             ready = self._poller.poll(-1 if timeout is None else timeout, len(self._selectables))
         except InterruptedError:
@@ -87,7 +97,14 @@ class LeanEPollReactor(EPollReactor):
             selectable = selectables.get(fd)
             # Gone already: an earlier descriptor's handler in this batch removed it.
             if selectable is not None:
-                handle(selectable, fd, event)
+                try:
+                    handle(selectable, fd, event)
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:
+                    # What Twisted's own handling lets through (connectionLost raising):
+                    # logged, and the other ready descriptors are still handled.
+                    log.failure("while handling {selectable!r}", selectable=selectable)
         if self._after_events:
             self._run_after_events()
 
@@ -95,11 +112,8 @@ class LeanEPollReactor(EPollReactor):
         calls, self._after_events = self._after_events, []
         for call in calls:
             if not call.cancelled:
-                try:
+                with _after_events_failure:
                     call.function()
-                except Exception:
-                    # As a timed call's exception is: logged, and the other calls still run.
-                    log.failure("an after-events call raised")
 
 
 @implementer(IReactorTime)
@@ -108,14 +122,16 @@ class AfterEventsClock:
     """``reactor`` as a clock whose ``callLater(0, ...)`` is an after-events call.
 
     For Twisted's TLS write aggregation (``TLSMemoryBIOFactory(clock=...)``),
-    whose only use of its clock is ``callLater(0, flush)`` and ``cancel()``.
+    whose only use of its clock is ``callLater(0, flush)``, the result's truth
+    and ``cancel()``: an after-events call has no ``active()`` or ``getTime()``
+    and is not among ``getDelayedCalls()``.
     """
 
     reactor: LeanEPollReactor
 
     def callLater(self, delay: float, callable: Callable[..., Any], *args: Any, **kw: Any):
         if delay == 0:
-            return self.reactor.callAfterEvents(lambda: callable(*args, **kw))
+            return self.reactor.callAfterEvents(functools.partial(callable, *args, **kw) if args or kw else callable)
         return self.reactor.callLater(delay, callable, *args, **kw)
 
     def seconds(self) -> float:

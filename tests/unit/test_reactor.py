@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 from twisted.application.reactors import getReactorTypes
@@ -105,6 +106,30 @@ def test_an_exception_in_do_read_is_logged_and_disconnects_only_that_descriptor(
     assert any(event.get("isError") and event["failure"].check(ZeroDivisionError) for event in logged)
 
 
+def test_an_exception_from_connection_lost_is_logged_and_the_rest_of_the_poll_is_handled(lean_reactor, pairs, logged):
+    # Twisted's _doReadOrWrite does not catch what connectionLost raises; callWithLogger did.
+    failing_end, failing_peer = pairs()
+    fine_end, fine_peer = pairs()
+
+    class LostRaises(Readable):
+        def connectionLost(self, reason) -> None:
+            super().connectionLost(reason)
+            raise ZeroDivisionError("bug in connectionLost")
+
+    failing = LostRaises(lean_reactor, failing_end, lambda r: (read_all(r), CONNECTION_DONE)[1])
+    fine = Readable(lean_reactor, fine_end, read_all)
+    lean_reactor.addReader(failing)
+    lean_reactor.addReader(fine)
+    failing_peer.send(b"x")
+    fine_peer.send(b"x")
+    lean_reactor.doIteration(1)
+    assert fine.reads == 1
+    assert any(
+        event.get("log_failure") and event["log_failure"].check(ZeroDivisionError) and "LostRaises" in repr(event)
+        for event in logged
+    )
+
+
 def test_a_descriptor_removed_by_an_earlier_handler_of_the_same_poll_is_not_called(lean_reactor, pairs):
     first_end, first_peer = pairs()
     second_end, second_peer = pairs()
@@ -170,6 +195,49 @@ def test_an_after_events_call_asked_for_outside_a_poll_runs_before_the_reactor_w
     lean_reactor.callAfterEvents(lambda: (seen.append("after"), theirs.send(b"x")))
     lean_reactor.doIteration(5)
     assert seen == ["after", "read"]
+
+
+def run_until_stopped(reactor, bound: float = 10.0) -> bool:
+    """Run ``reactor`` until it stops itself; True if a guard thread had to stop it after ``bound`` s."""
+    done = threading.Event()
+    guard_needed = []
+
+    def stop_if_hung():
+        if not done.wait(bound):
+            guard_needed.append(True)
+            reactor.callFromThread(reactor.stop)
+
+    threading.Thread(target=stop_if_hung, daemon=True).start()
+    reactor.run(installSignalHandlers=False)
+    done.set()
+    return bool(guard_needed)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(lambda r: r.callLater(0, r.stop), id="a timed call"),
+        pytest.param(lambda r: r.callAfterEvents(r.stop), id="another after-events call"),
+    ],
+)
+def test_what_an_after_events_call_made_before_the_poll_schedules_does_not_wait_for_an_event(lean_reactor, schedule):
+    # Nothing else happens: were the poll to wait with the timeout computed before the call,
+    # with no timed call left it would wait for ever (here: for the guard).
+    lean_reactor.callLater(0, lambda: lean_reactor.callAfterEvents(lambda: schedule(lean_reactor)))
+    assert not run_until_stopped(lean_reactor)
+
+
+def test_an_after_events_call_raising_even_a_base_exception_does_not_lose_the_others(lean_reactor, logged):
+    made = []
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    lean_reactor.callAfterEvents(interrupted)
+    lean_reactor.callAfterEvents(lambda: made.append("next"))
+    lean_reactor.doIteration(0)
+    assert made == ["next"]
+    assert any(event.get("log_failure") and event["log_failure"].check(KeyboardInterrupt) for event in logged)
 
 
 def test_a_cancelled_after_events_call_is_not_made_and_one_that_raises_is_logged(lean_reactor, logged):

@@ -28,7 +28,6 @@ class TCPEnd(Protocol):
     def __init__(self) -> None:
         self.partner = None
         self.finished: defer.Deferred = defer.Deferred()
-        self.connected_deferred: defer.Deferred = defer.Deferred()
         self.bytes_received = 0
         self.bytes_sent = 0
         self._pending: list[bytes] = []
@@ -49,8 +48,6 @@ class TCPEnd(Protocol):
             self.write(data)
         if self._pending_eof:
             self.write_eof()
-        if not self.connected_deferred.called:
-            self.connected_deferred.callback(self)
 
     def dataReceived(self, data: bytes) -> None:
         self.bytes_received += len(data)
@@ -152,6 +149,10 @@ def splice(a, b) -> defer.Deferred:
 
     def a_finished(outcome_a):
         def b_finished(outcome_b):
+            # Both ends are done, so neither calls the other any more. Linked, the two would
+            # be a reference cycle, freed (with the socket transport they hold) only when the
+            # cyclic garbage collector next runs, instead of now.
+            a.partner = b.partner = None
             both.callback((outcome_a, outcome_b))
             return outcome_b
 

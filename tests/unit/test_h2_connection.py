@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
 from twisted.internet import task
+from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 from twisted.test import iosim
 
 from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused, TunnelRefused
@@ -20,7 +25,7 @@ from ztwisted.h2.goaway import (
     encode_goaway,
     header_block_cap,
 )
-from ztwisted.splice import TCPEnd
+from ztwisted.splice import TCPEnd, splice
 
 from .h2_support import RecordingEnd, accept_and_record, parse_frames
 
@@ -323,3 +328,60 @@ def test_keepalive_abort_during_the_close_notify_wait_says_so():
     clock.advance(conn.settings.keepalive_timeout + 0.1)
     assert transport.aborted
     assert conn.ended_by == "keepalive-timeout"
+
+
+class _HalfCloseableTransport(StringTransport):
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+
+def _app_end() -> TCPEnd:
+    end = TCPEnd()
+    end.makeConnection(_HalfCloseableTransport())
+    return end
+
+
+def _end_cleanly(end: TCPEnd) -> None:
+    end.writeConnectionLost()
+    end.connectionLost(Failure(ConnectionDone()))
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_a_finished_tunnel_is_freed_at_once_not_by_the_cyclic_garbage_collector(no_cyclic_gc):
+    # Were a tunnel's ends, streams and transports left in reference cycles, each short
+    # connection would wait for the cyclic collector, whose pauses grow with the heap.
+    server_apps = []
+
+    def splice_to_app(stream):
+        server_apps.append(_app_end())
+        stream.accept()
+        splice(stream, server_apps[-1])
+
+    pair = Pair(handler=splice_to_app)
+    opened = pair.client.open_tunnel("127.0.0.1:8080")
+    pair.flush()
+    client_app = _app_end()
+    spliced = []
+    splice(client_app, opened.result).addCallback(spliced.append)
+    client_app.dataReceived(b"hello")
+    client_app.readConnectionLost()
+    pair.flush()
+    server_app = server_apps[0]
+    assert server_app.transport.value() == b"hello"
+    server_app.readConnectionLost()
+    pair.flush()
+    _end_cleanly(client_app)
+    _end_cleanly(server_app)
+    assert spliced == [("closed", "closed")]
+    assert pair.client.streams == {} and pair.server.streams == {}
+    alive = [weakref.ref(o) for o in (client_app, opened.result, pair.requests[0], server_app)]
+    alive += [weakref.ref(client_app.transport), weakref.ref(server_app.transport)]
+    del opened, client_app, server_app, server_apps[:], pair.requests[:], splice_to_app
+    assert [ref() for ref in alive] == [None] * len(alive)

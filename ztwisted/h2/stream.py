@@ -241,6 +241,10 @@ class Stream:
         self.connection.stream_finished(self)
         if not self.response.called:
             self.response.errback(TunnelError(f"stream ended before the tunnel opened ({outcome})"))
+        # The answered response holds this stream as its result: a reference cycle, freed only
+        # by the cyclic garbage collector. Nobody waits on it once the stream is done, and what
+        # still asks whether it was answered finds it was.
+        self.response = defer.succeed(None)
         self.finished.callback(outcome)
 
     @property

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import random
 import signal
 import sys
+from collections.abc import Callable
 
 import attrs
 from twisted.application import service
@@ -214,12 +216,21 @@ class ProxyService(service.MultiService):
     listener that cannot open into one line and exit status 1, and makes a second SIGTERM/SIGINT
     during the drain stop at once (``proxy`` is None only for a root without a node, in tests)."""
 
-    def __init__(self, log_format: str, reactor, proxy: Proxy | None = None, *, logs_to_stdout: bool = True):
+    def __init__(
+        self,
+        log_format: str,
+        reactor,
+        proxy: Proxy | None = None,
+        *,
+        logs_to_stdout: bool = True,
+        freeze_heap: Callable[[], None] = gc.freeze,
+    ):
         super().__init__()
         self.log_format = log_format
         self.logs_to_stdout = logs_to_stdout
         self.reactor = reactor
         self.proxy = proxy
+        self._freeze_heap = freeze_heap
         self._stopping = False
 
     def privilegedStartService(self):
@@ -232,6 +243,12 @@ class ProxyService(service.MultiService):
 
     def startService(self):
         super().startService()
+        if self.reactor is global_reactor:
+            # The process's own proxy, started (not a test's): what start-up made (modules,
+            # configuration, listeners; ~64,000 objects) is never garbage, yet each full
+            # collection scanned it all, stopping every connection of the node for ~75 ms
+            # under connection churn. Frozen, it is left out of the collector's scans.
+            self._freeze_heap()
         if self.proxy is None:
             return
         log.info(

@@ -115,3 +115,14 @@ def test_ztunnel_environment_variables_are_defaults(tmp_path, monkeypatch):
     assert parsed["packet-mark"] == 99
     # The command line wins.
     assert options(tmp_path, "--packet-mark", "7")["packet-mark"] == 7
+
+
+def test_the_process_own_proxy_freezes_what_start_up_made_and_a_tests_does_not():
+    from twisted.internet import reactor as global_reactor
+
+    frozen = []
+    for on_reactor, expected in ((MemoryReactorClock(), []), (global_reactor, ["frozen"])):
+        root = tap.ProxyService("json", on_reactor, freeze_heap=lambda: frozen.append("frozen"))
+        root.startService()
+        root.stopService()
+        assert frozen == expected

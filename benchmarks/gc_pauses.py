@@ -33,8 +33,7 @@ def _node_pauses(trace_dir: Path, pid: int, timeout: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             raise RuntimeError(f"node {pid} wrote no GC timings (is gc_hook on its PYTHONPATH?)")
         time.sleep(0.05)
-    time.sleep(0.1)  # written in one go by a signal handler; let it finish
-    return json.loads(path.read_text())
+    return json.loads(path.read_text())  # renamed into place whole by the hook
 
 
 def main() -> None:

@@ -117,12 +117,14 @@ def test_ztunnel_environment_variables_are_defaults(tmp_path, monkeypatch):
     assert options(tmp_path, "--packet-mark", "7")["packet-mark"] == 7
 
 
-def test_the_process_own_proxy_freezes_what_start_up_made_and_a_tests_does_not():
-    from twisted.internet import reactor as global_reactor
+def test_the_proxy_twistd_runs_freezes_what_start_up_made_and_one_in_a_test_does_not():
+    from twisted.application import service
 
     frozen = []
-    for on_reactor, expected in ((MemoryReactorClock(), []), (global_reactor, ["frozen"])):
-        root = tap.ProxyService("json", on_reactor, freeze_heap=lambda: frozen.append("frozen"))
+    for parent, expected in ((None, []), (service.MultiService(), []), (service.Application("ztunnel"), ["frozen"])):
+        root = tap.ProxyService("json", MemoryReactorClock(), freeze_heap=lambda: frozen.append("frozen"))
+        if parent is not None:
+            root.setServiceParent(parent)
         root.startService()
         root.stopService()
         assert frozen == expected

@@ -64,7 +64,7 @@ class Outbound:
 
     async def _connect(self, app, source, host, port, source_workload):
         context = self.context
-        source_ip, source_port = source
+        source_ip = source[0]
         if source_workload is None:
             source_workload = context.local_workload_by_ip(source_ip)
         if source_workload is None:
@@ -78,7 +78,35 @@ class Outbound:
             raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
         target = destination.workload
         hbone = target is not None and target.protocol == "HBONE"
-        record = ConnectionRecord(
+        record = self._record(source, source_workload, destination, hbone)
+        try:
+            if hbone:
+                upstream = await self._open_tunnel(source_workload, source, destination)
+            else:
+                upstream = TCPEnd()
+                await context.network_of(source_workload).connect(
+                    str(destination.ip),
+                    destination.port,
+                    factory_for(upstream),
+                    source_ip=source_ip,
+                    timeout=context.connect_timeout,
+                )
+        except Exception as e:
+            record.refused("CONNECT", str(e))
+            # The refusal keeps ``e`` as its cause; e's traceback holds the frames that hold the
+            # Failure now being raised: a cycle only the cyclic collector would free (~80 objects
+            # per refused connection). What is logged of it is its message.
+            e.__traceback__ = None
+            raise _as_refusal(e) from e
+        record.finish_when_done(splice(app, upstream), app, upstream)
+        return upstream
+
+    def _record(self, source, source_workload, destination, hbone: bool) -> ConnectionRecord:
+        """The metrics and access-log record of one outbound connection, whatever becomes of it."""
+        context = self.context
+        source_ip, source_port = source
+        target = destination.workload
+        return ConnectionRecord(
             context.metrics,
             context.reactor,
             ConnectionLabels.for_connection(
@@ -104,23 +132,6 @@ class Outbound:
                 "dst.identity": str(target.identity) if hbone else None,
             },
         )
-        try:
-            if hbone:
-                upstream = await self._open_tunnel(source_workload, source, destination)
-            else:
-                upstream = TCPEnd()
-                await context.network_of(source_workload).connect(
-                    str(destination.ip),
-                    destination.port,
-                    factory_for(upstream),
-                    source_ip=source_ip,
-                    timeout=context.connect_timeout,
-                )
-        except Exception as e:
-            record.refused("CONNECT", str(e))
-            raise _as_refusal(e) from e
-        record.finish_when_done(splice(app, upstream), app, upstream)
-        return upstream
 
     def _resolve_host(self, host: str, client_namespace: str):
         try:

@@ -143,6 +143,11 @@ def splice(a, b) -> defer.Deferred:
     """Couple two pipe ends; fires with ``(outcome_a, outcome_b)`` when both are finished."""
     a.set_partner(b)
     b.set_partner(a)
+    for end, other in ((a, b), (b, a)):
+        if end.finished.called:
+            # Finished before it was coupled (the client reset its stream while the app
+            # connection was being made, say): the other end has no one to talk to.
+            other.abort()
     # Chained, not gatherResults(): DeferredList's machinery was a visible part of a short
     # connection's cost on both nodes. ``finished`` only ever fires with an outcome.
     both = defer.Deferred()

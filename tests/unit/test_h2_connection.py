@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
-from twisted.internet import task
+from twisted.internet import defer, task
 from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
@@ -385,3 +385,28 @@ def test_a_finished_tunnel_is_freed_at_once_not_by_the_cyclic_garbage_collector(
     alive += [weakref.ref(client_app.transport), weakref.ref(server_app.transport)]
     del opened, client_app, server_app, server_apps[:], pair.requests[:], splice_to_app
     assert [ref() for ref in alive] == [None] * len(alive)
+
+
+def test_a_tunnel_no_longer_waited_for_is_reset_and_not_left_open_on_the_server():
+    server_apps = []
+
+    def splice_to_app(stream):  # as the inbound side does once the app connection is made
+        server_apps.append(_app_end())
+        stream.accept()
+        splice(stream, server_apps[-1])
+
+    pair = Pair(handler=splice_to_app)
+    opened = pair.client.open_tunnel("127.0.0.1:8080")
+    failures = []
+    opened.addErrback(failures.append)
+    opened.cancel()  # e.g. the SOCKS5 client left while its tunnel was opening
+    pair.flush()
+    assert len(failures) == 1 and failures[0].check(defer.CancelledError)
+    assert pair.requests[0].done
+    assert server_apps[0].transport.disconnected, "the server's app connection is not kept"
+    assert pair.client.streams == {} and pair.server.streams == {}
+    assert pair.client.usable and pair.server.usable, "only the stream ends"
+    # The server got the request and its reset in one read, and kept serving.
+    again = pair.client.open_tunnel("127.0.0.1:8080")
+    pair.flush()
+    assert again.result.stream_id == 3 and len(server_apps) == 2

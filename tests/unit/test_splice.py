@@ -56,3 +56,14 @@ def test_each_ends_own_finished_keeps_its_outcome():
     a.connectionLost(Failure(error.ConnectionLost()))
     b.connectionLost(Failure(error.ConnectionDone()))
     assert seen == ["reset by peer", "reset"]
+
+
+def test_an_end_finished_before_it_was_coupled_gets_its_partner_aborted():
+    # The inbound side's stream reset while the app connection was being made, say.
+    a, b = _connected_end(), _connected_end()
+    a.connectionLost(Failure(error.ConnectionLost()))
+    outcomes = []
+    splice(a, b).addCallback(outcomes.append)
+    assert b.transport.disconnecting, "aborted"
+    b.connectionLost(Failure(error.ConnectionAborted()))
+    assert outcomes == [("reset by peer", "reset")]

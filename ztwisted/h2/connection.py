@@ -340,9 +340,14 @@ class HBONEConnection(Protocol):
 
     # -- what streams use ---------------------------------------------------------
 
-    def send_headers(self, stream: Stream, headers: list[tuple[str, str]], end_stream: bool) -> None:
-        """Queue a HEADERS frame; the caller then calls :meth:`send_pending`."""
-        self.h2.send_headers(stream.stream_id, headers, end_stream=end_stream)
+    def send_headers(self, stream: Stream, headers: list[tuple[str, str]], end_stream: bool) -> bool:
+        """Queue a HEADERS frame (the caller then calls :meth:`send_pending`); False when h2 has
+        closed the stream already, as when the peer reset it in the same read as its request."""
+        try:
+            self.h2.send_headers(stream.stream_id, headers, end_stream=end_stream)
+        except h2.exceptions.StreamClosedError:
+            return False
+        return True
 
     def reset_stream(self, stream: Stream, code: int) -> None:
         if not self.lifecycle.connected_now:

@@ -37,7 +37,7 @@ class Stream:
         self.headers = headers
         self.partner = None
         self.finished: defer.Deferred = defer.Deferred()
-        self.response: defer.Deferred = defer.Deferred()
+        self.response: defer.Deferred = defer.Deferred(canceller=self._cancel_opening if connection.client else None)
         self.bytes_received = 0
         self.bytes_sent = 0
         self._outbound: deque[bytes] = deque()
@@ -113,7 +113,14 @@ class Stream:
     def _answer(self, status: int, end_stream: bool) -> None:
         if self._done or self.response.called:
             return
-        self.connection.send_headers(self, [(":status", str(status))], end_stream=end_stream)
+        if not self.connection.send_headers(self, [(":status", str(status))], end_stream=end_stream):
+            # The client reset the stream in the read that brought its request, and h2 has
+            # closed it: there is nothing to answer. It ends here; the reset, handled next, is
+            # then for a stream already gone.
+            if self.partner is not None:
+                self.partner.abort()
+            self._finish("reset")
+            return
         if end_stream:
             self._local_closed = True
             self.response.errback(TunnelRefused(status))
@@ -125,6 +132,13 @@ class Stream:
         else:
             self.response.callback(self)
         self.connection.send_pending()
+
+    def _cancel_opening(self, response: defer.Deferred) -> None:
+        # Whoever waited for the tunnel is gone (a SOCKS5 client that left while it opened,
+        # say). The CONNECT went out: left alone, the server would open the tunnel to its app
+        # and keep it open. Reset it.
+        response.errback(defer.CancelledError(f"tunnel on stream {self.stream_id} no longer wanted"))
+        self.reset(h2.errors.ErrorCodes.CANCEL)
 
     def reset(self, code: int = h2.errors.ErrorCodes.CANCEL, outcome: str = "reset") -> None:
         """Send RST_STREAM, reset the partner too, and forget the stream."""

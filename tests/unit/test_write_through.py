@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 
 import pytest_twisted
 from twisted.internet import defer, protocol, reactor, threads
+from twisted.internet.interfaces import IPushProducer
+from zope.interface import implementer
 
-from ztwisted.sockets import write_through
+from ztwisted.sockets import READ_SIZE, write_through
 
 
 class _Accepted(protocol.Protocol):
     def connectionMade(self):
+        self.chunks: list[int] = []
         self.factory.accepted.callback(self)
+
+    def dataReceived(self, data):
+        self.chunks.append(len(data))
 
 
 @defer.inlineCallbacks
@@ -83,3 +92,86 @@ def test_other_transports_are_left_alone():
     assert transport.value() == b"x"
     assert type(transport) is StringTransport
     yield defer.succeed(None)
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_read_takes_up_to_read_size_bytes_at_once():
+    from twisted.internet import task
+
+    transport, client = yield _connected_pair()
+    try:
+        write_through(transport)
+        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * READ_SIZE)
+        transport.pauseProducing()  # let the bytes pile up in the kernel first
+        yield threads.deferToThread(client.sendall, bytes(3 * READ_SIZE))
+        deadline = reactor.seconds() + 10
+        while _unread_bytes(transport.getHandle()) < 3 * READ_SIZE and reactor.seconds() < deadline:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        transport.resumeProducing()
+        while sum(transport.protocol.chunks) < 3 * READ_SIZE and reactor.seconds() < deadline:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        # Twisted would have read 64 KiB at a time.
+        assert transport.protocol.chunks == [READ_SIZE] * 3
+    finally:
+        client.close()
+        transport.abortConnection()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_write_bigger_than_twisteds_send_limit_goes_to_the_kernel_at_once():
+    transport, client = yield _connected_pair()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2 << 20)
+        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 << 20)
+        write_through(transport)
+        big = bytes(range(256)) * 2048  # 512 KiB: Twisted sends at most 128 KiB per call
+        transport.write(big)
+        assert transport.dataBuffer[transport.offset :] == b"" and not transport._tempDataBuffer
+        received = yield threads.deferToThread(_read_exactly, client, len(big))
+        assert received == big
+    finally:
+        client.close()
+        transport.abortConnection()
+
+
+@implementer(IPushProducer)
+class _Producer:
+    paused = False
+
+    def pauseProducing(self):
+        self.paused = True
+
+    def resumeProducing(self):
+        self.paused = False
+
+    def stopProducing(self):
+        pass
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_write_the_socket_does_not_take_still_pauses_the_producer_until_it_is_sent():
+    from twisted.internet import task
+
+    transport, client = yield _connected_pair()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        write_through(transport)
+        producer = _Producer()
+        transport.registerProducer(producer, True)
+        big = bytes(range(256)) * 1024  # 256 KiB: more than a read and than the socket buffers hold
+        transport.write(big)
+        assert producer.paused, "the queue grew past the transport's buffer size without pausing the producer"
+        received = yield threads.deferToThread(_read_exactly, client, len(big))
+        assert received == big
+        deadline = reactor.seconds() + 10
+        while producer.paused and reactor.seconds() < deadline:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        assert not producer.paused
+    finally:
+        client.close()
+        transport.abortConnection()

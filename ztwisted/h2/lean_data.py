@@ -118,7 +118,7 @@ def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool
     events: list[h2.events.Event] = []
     for segment, whole_data_frame in segments:
         taken = take_data_frame(h2conn, segment) if whole_data_frame else None
-        events += h2conn.receive_data(segment) if taken is None else taken
+        events += h2conn.receive_data(bytes(segment)) if taken is None else taken
     return events
 
 
@@ -148,7 +148,9 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
         h2conn._terminate_connection(e.error_code)
         raise
     return [
-        h2.events.DataReceived(stream_id=stream_id, data=frame[FRAME_HEADER_LENGTH:], flow_controlled_length=length)
+        h2.events.DataReceived(
+            stream_id=stream_id, data=bytes(memoryview(frame)[FRAME_HEADER_LENGTH:]), flow_controlled_length=length
+        )
     ]
 
 

@@ -22,7 +22,12 @@ from twisted.internet.interfaces import (
 )
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper
-from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
+from twisted.protocols.tls import (
+    BufferingTLSTransport,
+    TLSMemoryBIOFactory,
+    TLSMemoryBIOProtocol,
+    _AggregateSmallWrites,
+)
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -36,6 +41,9 @@ try:
     from OpenSSL._util import lib as _lib
 except ImportError:  # pragma: no cover
     _ffi = _lib = None
+
+#: allocates cffi buffers without zeroing them first (they are written before being read)
+_no_zero_buffer = _ffi.new_allocator(should_clear_after_alloc=False) if _ffi is not None else None
 
 log = Logger()
 
@@ -286,6 +294,8 @@ _RECORD_OVERHEAD = 22
 _RECORD_PLAINTEXT = 2**14
 #: bytes asked of the send BIO when the caller does not know how many are there (Twisted's size)
 _SEND_BIO_READ = 2**15
+#: writes at least this big are not held back for the end of the reactor turn (Twisted's limit)
+_AGGREGATED_BELOW = _AggregateSmallWrites.MAX_BUFFER_SIZE
 #: bytes asked of ``SSL_read``, which returns at most one record's plaintext (16 KiB) per call
 _RECORD_READ = 2**15
 
@@ -306,6 +316,8 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
     # While an abort runs: what it encrypts (a close_notify) is dropped, not sent.
     _dropping_output = False
+    # Bytes the TCP read being handled brought.
+    _ciphertext_received = 0
 
     def makeConnection(self, transport) -> None:
         write_through(transport)
@@ -315,6 +327,20 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             # pyOpenSSL turns on partial writes, with which SSL_write returns after each record.
             # A memory BIO takes any amount, so without them one SSL_write encrypts a whole write.
             _lib.SSL_clear_mode(ssl, _lib.SSL_MODE_ENABLE_PARTIAL_WRITE)
+
+    def write_buffer(self, data: bytes | bytearray) -> None:
+        """:meth:`write` for a buffer the caller gives up (it must not change it afterwards).
+
+        A write as big as Twisted's aggregation limit (64,000 bytes) is encrypted at once,
+        after what smaller writes of this reactor turn left waiting: as the aggregation
+        does, but without first copying it into ``bytes`` and again into one joined
+        ``bytes``. Smaller ones are aggregated as :meth:`write` does.
+        """
+        if len(data) < _AGGREGATED_BELOW:
+            self.write(bytes(data))
+            return
+        self._aggregator.flush()
+        TLSMemoryBIOProtocol.write(self, data)
 
     def _write(self, data: bytes) -> None:
         # Twisted's _write, in one SSL_write instead of one per 16 KiB (the loop only takes
@@ -356,26 +382,20 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         if pieces and not self._dropping_output:
             self.transport.write(b"".join(pieces))
 
+    def dataReceived(self, data: bytes) -> None:
+        self._ciphertext_received = len(data)  # bounds the plaintext it can make (_flushReceiveBIO)
+        super().dataReceived(data)
+
     def _flushReceiveBIO(self) -> None:
         # Twisted's _flushReceiveBIO, delivering the plaintext of every record now in the receive
         # BIO in one dataReceived call; an end or an error found after them comes after it, as
         # in Twisted's order.
-        received = []
-        peer_closed = False
-        failure = None
-        while not self._lostTLSConnection:
-            try:
-                received.append(self._tlsConnection.recv(_RECORD_READ))
-            except SSL.WantReadError:
-                break  # the rest of the bytes do not make a record yet
-            except SSL.ZeroReturnError:
-                peer_closed = True  # close_notify: TLS has shut down
-                break
-            except SSL.Error:
-                failure = Failure()
-                break
-        if received and not self._aborted:
-            ProtocolWrapper.dataReceived(self, b"".join(received))
+        if self._lostTLSConnection:  # TLS already ended: nothing more is read (as in Twisted)
+            self._flushSendBIO()
+            return
+        plaintext, peer_closed, failure = self._decrypt_records()
+        if plaintext and not self._aborted:
+            ProtocolWrapper.dataReceived(self, plaintext)
         if peer_closed:
             self._shutdownTLS()
             # None: the protocol's connectionLost gets the reason from the TCP transport.
@@ -383,6 +403,68 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         elif failure is not None:
             self._tlsShutdownFinished(failure)
         self._flushSendBIO()
+
+    def _decrypt_records(self) -> tuple[bytes, bool, Failure | None]:
+        """The plaintext of the whole records in the receive BIO, whether a close_notify followed
+        them, and the failure that did.
+
+        OpenSSL returns one record per ``SSL_read``. pyOpenSSL's ``recv`` allocates a buffer,
+        checks for errors and copies the result for each; here the records are decrypted
+        straight into one buffer, copied out once, and errors are looked at when OpenSSL reports one.
+        """
+        connection = self._tlsConnection
+        ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
+        raise_ssl_error = getattr(connection, "_raise_ssl_error", None)
+        if _no_zero_buffer is None or ssl is None or raise_ssl_error is None:
+            return self._decrypt_records_one_by_one()
+        # What just arrived, and at most one record OpenSSL kept from an earlier read: the
+        # plaintext cannot be longer (and if it were, the loop would start a second buffer).
+        size = self._ciphertext_received + _RECORD_PLAINTEXT
+        self._ciphertext_received = 0
+        buffer = _no_zero_buffer("char[]", size)
+        pieces = []
+        filled = 0
+        peer_closed = False
+        failure = None
+        while True:
+            result = _lib.SSL_read(ssl, buffer + filled, size - filled)
+            if result > 0:
+                filled += result
+                if filled == size:
+                    pieces.append(_ffi.buffer(buffer, filled)[:])
+                    filled = 0
+                continue
+            try:
+                raise_ssl_error(ssl, result)
+            except SSL.WantReadError:
+                pass  # the rest of the bytes do not make a record yet
+            except SSL.ZeroReturnError:
+                peer_closed = True  # close_notify: TLS has shut down
+            except SSL.Error:
+                failure = Failure()
+            break
+        if filled:
+            pieces.append(_ffi.buffer(buffer, filled)[:])
+        return b"".join(pieces), peer_closed, failure
+
+    def _decrypt_records_one_by_one(self) -> tuple[bytes, bool, Failure | None]:
+        """:meth:`_decrypt_records` through pyOpenSSL's public ``recv``, one record per call."""
+        received = []
+        peer_closed = False
+        failure = None
+        while True:
+            try:
+                received.append(self._tlsConnection.recv(_RECORD_READ))
+            except SSL.WantReadError:
+                pass
+            except SSL.ZeroReturnError:
+                peer_closed = True
+            except SSL.Error:
+                failure = Failure()
+            else:
+                continue
+            break
+        return b"".join(received), peer_closed, failure
 
     def abortConnection(self) -> None:
         # Twisted's TLS abort writes a close_notify, then aborts TCP, which drops it

@@ -23,6 +23,7 @@ from twisted.python.failure import Failure
 from twisted.test import iosim
 from zope.interface import implementer
 
+import ztwisted.tls
 from ztwisted.ca import CertificateAuthority, IssuedCertificate, create_files
 from ztwisted.identity import SpiffeId
 from ztwisted.tls import (
@@ -553,7 +554,16 @@ def _counting_link(server_cert, client_cert) -> tuple[Link, ChunkCountingPeer]:
     return link, counting
 
 
-def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, client_cert):
+@pytest.fixture(params=["into one buffer", "through pyOpenSSL's recv"])
+def decrypting(request, monkeypatch):
+    """Both ways the TLS transport decrypts: straight into one buffer, and the fallback for a
+    pyOpenSSL without the internals it uses (one public ``recv`` per record)."""
+    if request.param != "into one buffer":
+        monkeypatch.setattr(ztwisted.tls, "_no_zero_buffer", None)
+    return request.param
+
+
+def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, client_cert, decrypting):
     """What one TCP read brings (here seven 16 KiB records) reaches the protocol in one call, in order."""
     link, client = _counting_link(server_cert, client_cert)
     payload = bytes(range(256)) * 400  # 102,400 bytes: seven records, written at once
@@ -563,7 +573,7 @@ def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, c
     assert client.received == payload
 
 
-def test_tls_factory_delivers_data_before_the_close_notify_that_follows_it(server_cert, client_cert):
+def test_tls_factory_delivers_data_before_the_close_notify_that_follows_it(server_cert, client_cert, decrypting):
     """Records and the close_notify after them in one read: the data first, then a clean close."""
     link, client = _counting_link(server_cert, client_cert)
     payload = b"last words" * 5000
@@ -591,3 +601,27 @@ def test_tls_factory_encrypts_a_write_in_one_ssl_write(server_cert, client_cert)
     assert len(tcp_writes) == 1 and tcp_writes[0] >= len(payload) + 16 * 22, tcp_writes
     link.pump.flush()
     assert link.server.received == payload
+
+
+def test_tls_factory_decrypts_more_records_than_it_expected(server_cert, client_cert):
+    """Records already in the receive BIO beyond what the last read can have made (which the
+    sizing rules out) are still all delivered, in order, in one call."""
+    link, client = _counting_link(server_cert, client_cert)
+    payload = bytes(range(256)) * 400  # seven records
+    link.server_tls.write(payload)
+    ciphertext = link.pump.serverIO.getOutBuffer()
+    link.client_tls._tlsConnection.bio_write(ciphertext)  # not through dataReceived: no size hint
+    link.client_tls._flushReceiveBIO()
+    assert client.chunks == [len(payload)]
+    assert client.received == payload
+
+
+def test_tls_factory_write_buffer_sends_a_bytearray_it_is_given(server_cert, client_cert):
+    """write_buffer: a big buffer is encrypted at once, after the small writes that wait; a small one waits too."""
+    link, _ = _counting_link(server_cert, client_cert)
+    link.client_tls.write(b"small, ")  # aggregated until the end of the reactor turn
+    big = bytearray(bytes(range(256)) * 400)
+    link.client_tls.write_buffer(big)
+    link.client_tls.write_buffer(bytearray(b", and a small one"))
+    link.pump.flush()
+    assert link.server.received == b"small, " + bytes(big) + b", and a small one"

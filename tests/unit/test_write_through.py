@@ -9,10 +9,10 @@ import termios
 
 import pytest_twisted
 from twisted.internet import defer, protocol, reactor, threads
-from twisted.internet.interfaces import IPushProducer
-from zope.interface import implementer
 
 from ztwisted.sockets import READ_SIZE, write_through
+
+from .h2_support import RecordingEnd
 
 
 class _Accepted(protocol.Protocol):
@@ -64,19 +64,28 @@ def test_a_write_with_nothing_queued_is_sent_before_the_reactor_runs_again():
 
 
 @pytest_twisted.inlineCallbacks
-def test_what_the_socket_does_not_take_is_queued_and_order_is_kept():
+def test_what_the_socket_does_not_take_is_queued_and_order_is_kept_and_the_producer_paused():
+    from twisted.internet import task
+
     transport, client = yield _connected_pair()
     try:
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         write_through(transport)
-        big = bytes(range(256)) * 1024  # 256 KiB: far more than the socket buffers hold
+        producer = RecordingEnd()  # the partner end whose reads a full queue must stop
+        transport.registerProducer(producer, True)
+        big = bytes(range(256)) * 1024  # 256 KiB: more than a read, far more than the socket buffers hold
         transport.write(big)
         assert transport._tempDataLen > 0 or len(transport.dataBuffer) > transport.offset, "nothing was queued"
+        assert producer.paused, "the queue grew past the transport's buffer size without pausing the producer"
         # With a queue, later writes join it instead of jumping ahead.
         transport.write(b"tail")
         received = yield threads.deferToThread(_read_exactly, client, len(big) + 4)
         assert received == big + b"tail"
+        deadline = reactor.seconds() + 10
+        while producer.paused and reactor.seconds() < deadline:
+            yield task.deferLater(reactor, 0.01, lambda: None)
+        assert not producer.paused, "the producer was not resumed once the queue was sent"
     finally:
         client.close()
         transport.abortConnection()
@@ -133,45 +142,6 @@ def test_a_write_bigger_than_twisteds_send_limit_goes_to_the_kernel_at_once():
         assert transport.dataBuffer[transport.offset :] == b"" and not transport._tempDataBuffer
         received = yield threads.deferToThread(_read_exactly, client, len(big))
         assert received == big
-    finally:
-        client.close()
-        transport.abortConnection()
-
-
-@implementer(IPushProducer)
-class _Producer:
-    paused = False
-
-    def pauseProducing(self):
-        self.paused = True
-
-    def resumeProducing(self):
-        self.paused = False
-
-    def stopProducing(self):
-        pass
-
-
-@pytest_twisted.inlineCallbacks
-def test_a_write_the_socket_does_not_take_still_pauses_the_producer_until_it_is_sent():
-    from twisted.internet import task
-
-    transport, client = yield _connected_pair()
-    try:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        write_through(transport)
-        producer = _Producer()
-        transport.registerProducer(producer, True)
-        big = bytes(range(256)) * 1024  # 256 KiB: more than a read and than the socket buffers hold
-        transport.write(big)
-        assert producer.paused, "the queue grew past the transport's buffer size without pausing the producer"
-        received = yield threads.deferToThread(_read_exactly, client, len(big))
-        assert received == big
-        deadline = reactor.seconds() + 10
-        while producer.paused and reactor.seconds() < deadline:
-            yield task.deferLater(reactor, 0.01, lambda: None)
-        assert not producer.paused
     finally:
         client.close()
         transport.abortConnection()

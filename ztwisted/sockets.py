@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import ipaddress
@@ -247,11 +248,33 @@ def connect_socket(
 
 #: bytes asked of the kernel per ``recv`` on a data-path socket. Twisted asks 64 KiB; the
 #: proxy's Python work per read is about the same whatever its size, so bulk costs less per MB
-#: with bigger reads (Envoy's reads from the app are 128 KiB too). Not bigger: with 256 KiB the
-#: node receiving TLS took ~550 page faults per MB (glibc gave the freed read and frame buffers
-#: back to the kernel and faulted them in again), which cost more than the fewer reads saved.
-#: Only a read in progress holds such a buffer: an idle connection holds none.
-READ_SIZE = 128 * 1024
+#: with bigger reads. Only a read in progress holds such a buffer: an idle connection holds none.
+#: Bigger reads need :func:`keep_read_buffers_in_the_heap` (the node calls it at start).
+READ_SIZE = 256 * 1024
+
+# mallopt(3) parameters, from glibc's malloc.h
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_read_buffers_in_the_heap() -> bool:
+    """Ask glibc's malloc to serve allocations under 2 MiB from the heap and to keep up to
+    4 MiB of freed memory instead of giving it back to the kernel at once; False where the
+    C library has no ``mallopt`` (then nothing changes).
+
+    A read's buffers (the read, its decrypted records, a DATA frame held until whole, its
+    payload: each up to :data:`READ_SIZE`, up to 1 MiB for a frame) are freed together once
+    the read is handled. With glibc's defaults, which start returning the top of the heap
+    once 128 KiB of it are free (and move that mark only after a large mmapped block was
+    freed), every such read faulted the same pages in again: ~550 minor page faults per MB
+    on the node receiving TLS with 256 KiB reads. These are the limits glibc's own dynamic
+    thresholds reach after 1-2 MiB blocks; here they hold from the start.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return mallopt(_M_MMAP_THRESHOLD, 2 * 1024 * 1024) == 1 and mallopt(_M_TRIM_THRESHOLD, 4 * 1024 * 1024) == 1
 
 
 class _WriteThrough:
@@ -311,7 +334,8 @@ def write_through(transport) -> None:
     (Twisted's own write then reports them). Transports other than Twisted's
     TCP connections are left alone.
 
-    Reads ask for :data:`READ_SIZE` bytes instead of Twisted's 64 KiB, and a write
+    Reads ask for :data:`READ_SIZE` bytes instead of Twisted's 64 KiB (see
+    :func:`keep_read_buffers_in_the_heap`), and a write
     of up to 1 MiB is offered to the kernel in one ``send`` (Twisted's stop at 128 KiB):
     the proxy's work per read and per write hardly depends on its size.
 

@@ -323,10 +323,11 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         write_through(transport)
         super().makeConnection(transport)
         ssl = getattr(self._tlsConnection, "_ssl", None)  # pyOpenSSL's SSL*: not public API
-        if _lib is not None and ssl is not None:
+        clear_mode = getattr(_lib, "SSL_clear_mode", None)
+        if ssl is not None and clear_mode is not None:
             # pyOpenSSL turns on partial writes, with which SSL_write returns after each record.
             # A memory BIO takes any amount, so without them one SSL_write encrypts a whole write.
-            _lib.SSL_clear_mode(ssl, _lib.SSL_MODE_ENABLE_PARTIAL_WRITE)
+            clear_mode(ssl, _lib.SSL_MODE_ENABLE_PARTIAL_WRITE)
 
     def write_buffer(self, data: bytes | bytearray) -> None:
         """:meth:`write` for a buffer the caller gives up (it must not change it afterwards).

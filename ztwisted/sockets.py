@@ -248,7 +248,8 @@ def connect_socket(
 
 #: bytes asked of the kernel per ``recv`` on a data-path socket. Twisted asks 64 KiB; the
 #: proxy's Python work per read is about the same whatever its size, so bulk costs less per MB
-#: with bigger reads. Only a read in progress holds such a buffer: an idle connection holds none.
+#: with bigger reads. Only a read in progress holds such a buffer: an idle connection holds none,
+#: and an end whose partner stopped taking data holds at most one read (the partner pauses it).
 #: Bigger reads need :func:`keep_read_buffers_in_the_heap` (the node calls it at start).
 READ_SIZE = 256 * 1024
 

@@ -1,6 +1,7 @@
-"""Before/after of proxy CPU per short connection: both installs' node pairs up at once, load alternating.
+"""Before/after of proxy CPU per short connection (or per MB of bulk): both installs' node pairs up at once, load alternating.
 
     python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON [--slices 16] [--seconds 2] [--net 41]
+    python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON --load bulk [--slices 16] [--bulk-mb 100] [--net 41]
 
 `ab.py` compares whole `run.py --quick` runs, a minute apart; on a shared
 machine their proxy CPU per short connection moves by 10-20 % from run to
@@ -13,7 +14,10 @@ threads, as `run.py`) go to each pair in turn in slices of a few seconds.
 Each slice gives every pair's CPU per connection (its two nodes,
 `/proc/PID/stat`), and the slice's change is the mean of the "after" pairs
 over the mean of the "before" pairs; the result is the median over slices,
-so the machine's drift hits both sides alike. Each Python must have its own
+so the machine's drift hits both sides alike. With ``--load bulk`` a slice
+is one `load.bulk` transfer of ``--bulk-mb`` MB through each pair in turn,
+and each of its two figures, throughput (MB/s) and proxy CPU per MB, is
+compared the same way. Each Python must have its own
 ztwisted installed (its `twistd` runs the nodes).
 """
 
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import load
 from paths import MESH, Addresses, Apps, Ztwisted
-from run import cpu_seconds, warm_up
+from run import _fmt, cpu_seconds, warm_up
 
 from ztwisted.ca import CertificateAuthority
 from ztwisted.tools.harness import NodeProcess, twistd_command
@@ -77,25 +81,49 @@ class _InstallPair(Ztwisted):
             node.start()
 
 
-def cpu_per_connection(pair: _InstallPair, seconds: float) -> float:
+def cpu_per_connection(pair: _InstallPair, seconds: float) -> dict[str, float]:
     pids = pair.pids().values()
     before = sum(cpu_seconds(pid) for pid in pids)
     result = load.short_connections(pair.echo, seconds, 2, 8)
     if result["errors"]:
         raise RuntimeError(f"{result['errors']} short connections failed: {result['first_error']}")
-    return (sum(cpu_seconds(pid) for pid in pids) - before) / result["ok"] * 1e6
+    return {
+        "proxy CPU per short connection (both nodes), us": (sum(cpu_seconds(pid) for pid in pids) - before)
+        / result["ok"]
+        * 1e6
+    }
+
+
+def bulk_figures(pair: _InstallPair, megabytes: int) -> dict[str, float]:
+    pids = pair.pids().values()
+    before = sum(cpu_seconds(pid) for pid in pids)
+    throughput = load.bulk(pair.sink, megabytes * 1_000_000)
+    return {
+        "bulk throughput, 1 connection, MB/s": throughput,
+        "proxy CPU per MB of bulk (both nodes), ms": (sum(cpu_seconds(pid) for pid in pids) - before) / megabytes * 1e3,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="the Python of the 'before' install")
     parser.add_argument("after", help="the Python of the 'after' install")
+    parser.add_argument(
+        "--load", choices=("conns", "bulk"), default="conns", help="what each slice runs (default conns)"
+    )
     parser.add_argument("--slices", type=int, default=16, help="slices per side (default 16)")
-    parser.add_argument("--seconds", type=float, default=2.0, help="seconds of load per slice (default 2)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds of short connections per slice (default 2)")
+    parser.add_argument(
+        "--bulk-mb", type=int, default=100, help="MB sent through each pair per bulk slice (default 100)"
+    )
     parser.add_argument("--net", type=int, default=41)
     args = parser.parse_args()
     if args.slices < 2:
         parser.error("--slices must be at least 2")
+    if args.load == "bulk":
+        slice_figures, slice_text = (lambda pair: bulk_figures(pair, args.bulk_mb)), f"{args.bulk_mb} MB of bulk"
+    else:
+        slice_figures, slice_text = (lambda pair: cpu_per_connection(pair, args.seconds)), f"{args.seconds:g} s"
     workdir = Path(tempfile.mkdtemp(prefix="ztwisted-ab-conns-"))
     state_dir = workdir / "state"
     CertificateAuthority.load_or_create_dev(state_dir)
@@ -106,8 +134,9 @@ def main() -> int:
         ("before", _ShiftedAddresses(args.net, 32), args.before),
     ]
     started: list = []
-    cpu: dict[str, list[float]] = {"before": [], "after": []}
-    changes = []
+    # figure -> side -> one mean per slice; figure -> one paired change per slice
+    means: dict[str, dict[str, list[float]]] = {}
+    changes: dict[str, list[float]] = {}
     try:
         pairs = []
         for index, (label, addresses, python) in enumerate(slots):
@@ -120,26 +149,30 @@ def main() -> int:
             warm_up(pair)
             pairs.append((label, pair))
         for index in range(args.slices):
-            used = {"before": [], "after": []}
+            used: dict[str, dict[str, list[float]]] = {}
             for label, pair in pairs if index % 2 == 0 else reversed(pairs):
-                used[label].append(cpu_per_connection(pair, args.seconds))
-            before, after = statistics.mean(used["before"]), statistics.mean(used["after"])
-            cpu["before"].append(before)
-            cpu["after"].append(after)
-            changes.append(after / before - 1)
-            print(f"slice {index + 1}: before {before:.0f} us, after {after:.0f} us", file=sys.stderr)
+                for figure, value in slice_figures(pair).items():
+                    used.setdefault(figure, {"before": [], "after": []})[label].append(value)
+            for figure, sides in used.items():
+                before, after = statistics.mean(sides["before"]), statistics.mean(sides["after"])
+                means.setdefault(figure, {"before": [], "after": []})
+                means[figure]["before"].append(before)
+                means[figure]["after"].append(after)
+                changes.setdefault(figure, []).append(after / before - 1)
+                print(f"slice {index + 1}: {figure}: before {_fmt(before)}, after {_fmt(after)}", file=sys.stderr)
     finally:
         for item in reversed(started):
             item.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    print("| proxy CPU per short connection (both nodes) | before | after | paired change |")
+    print(f"Median of {args.slices} interleaved slices of {slice_text} per pair:\n")
+    print("| figure | before | after | paired change |")
     print("|---|---|---|---|")
-    print(
-        f"| median of {args.slices} interleaved slices of {args.seconds:g} s per pair | "
-        f"{statistics.median(cpu['before']):,.0f} us | {statistics.median(cpu['after']):,.0f} us | "
-        f"{100 * statistics.median(changes):+.1f} % (mean {100 * statistics.mean(changes):+.1f} %, "
-        f"sd {100 * statistics.stdev(changes):.1f} %) |"
-    )
+    for figure, sides in means.items():
+        print(
+            f"| {figure} | {_fmt(statistics.median(sides['before']))} | {_fmt(statistics.median(sides['after']))} | "
+            f"{100 * statistics.median(changes[figure]):+.1f} % (mean {100 * statistics.mean(changes[figure]):+.1f} %, "
+            f"sd {100 * statistics.stdev(changes[figure]):.1f} %) |"
+        )
     return 0
 
 

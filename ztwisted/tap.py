@@ -37,7 +37,7 @@ from ztwisted.network import HostNetwork
 from ztwisted.node import Node
 from ztwisted.readiness import Readiness
 from ztwisted.reconcile import MeshReconciler
-from ztwisted.sockets import CannotListen, allow_accept_queue_migration, is_port_noise
+from ztwisted.sockets import CannotListen, allow_accept_queue_migration, is_port_noise, keep_read_buffers_in_the_heap
 from ztwisted.view import NodeView
 from ztwisted.workloads import LocalWorkloads
 from ztwisted.xds import settings as xds_settings
@@ -288,6 +288,7 @@ class ProxyService(service.MultiService):
                 parent.setComponent(ILogObserver, FilteringLogObserver(observer, [_without_port_noise]))
             if self.reactor is global_reactor:
                 _ExitWithoutTeardown(self.reactor)
+            keep_read_buffers_in_the_heap()
         return super().setServiceParent(parent)
 
 

@@ -22,7 +22,14 @@ from twisted.internet.interfaces import (
     IReactorTime,
 )
 from twisted.logger import Logger
-from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
+from twisted.protocols.policies import ProtocolWrapper
+from twisted.protocols.tls import (
+    BufferingTLSTransport,
+    TLSMemoryBIOFactory,
+    TLSMemoryBIOProtocol,
+    _AggregateSmallWrites,
+)
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from ztwisted.ca import IssuedCertificate
@@ -36,6 +43,9 @@ try:
     from OpenSSL._util import lib as _lib
 except ImportError:  # pragma: no cover
     _ffi = _lib = None
+
+#: allocates cffi buffers without zeroing them first (they are written before being read)
+_no_zero_buffer = _ffi.new_allocator(should_clear_after_alloc=False) if _ffi is not None else None
 
 log = Logger()
 
@@ -281,51 +291,193 @@ def negotiated_alpn(connection_or_transport: object) -> bytes | None:
     return connection.get_alpn_proto_negotiated() or None
 
 
-class _WriteThroughTLSTransport(BufferingTLSTransport):
-    """Twisted's TLS transport over a TCP connection that sends at once (:func:`write_through`).
+#: what TLS 1.3 adds to each record of at most 16 KiB: a 5-byte header, the content type and a 16-byte tag
+_RECORD_OVERHEAD = 22
+_RECORD_PLAINTEXT = 2**14
+#: bytes asked of the send BIO when the caller does not know how many are there (Twisted's size)
+_SEND_BIO_READ = 2**15
+#: writes at least this big are not held back for the end of the reactor turn (Twisted's limit)
+_AGGREGATED_BELOW = _AggregateSmallWrites.MAX_BUFFER_SIZE
+#: bytes asked of ``SSL_read``, which returns at most one record's plaintext (16 KiB) per call
+_RECORD_READ = 2**15
 
-    Twisted makes one TLS write of a reactor turn's writes (at the end of the
-    turn) and splits it into 16 KiB records, handing each record to TCP as
-    soon as it is encrypted. Sent at once, that is a ``send`` per record;
-    here the records of one write are joined and sent together.
+
+class _WriteThroughTLSTransport(BufferingTLSTransport):
+    """Twisted's TLS transport over a TCP connection that sends at once (:func:`write_through`), with
+    a fixed cost per write and per read rather than per 16 KiB record.
+
+    Twisted makes one TLS write of a reactor turn's writes (at the end of the turn), encrypts
+    it 16 KiB at a time and hands each record to TCP on its own: sent at once, a ``send`` per
+    record. Here a write is encrypted in one ``SSL_write`` (OpenSSL still makes the records) and
+    leaves the send BIO in one piece, so it becomes one TCP write, whatever its size.
+
+    Received, OpenSSL returns one record's plaintext per ``SSL_read``; the records one TCP read
+    brought are delivered to the protocol together, in one ``dataReceived`` call, instead of one
+    call per record. Either way at most what one read or one write carries is held at once.
     """
 
-    _records: list[bytes] | None = None
+    # While an abort runs: what it encrypts (a close_notify) is dropped, not sent.
+    _dropping_output = False
+    # Bytes the TCP read being handled brought.
+    _ciphertext_received = 0
 
     def makeConnection(self, transport) -> None:
         write_through(transport)
         super().makeConnection(transport)
+        ssl = getattr(self._tlsConnection, "_ssl", None)  # pyOpenSSL's SSL*: not public API
+        clear_mode = getattr(_lib, "SSL_clear_mode", None)
+        if ssl is not None and clear_mode is not None:
+            # pyOpenSSL turns on partial writes, with which SSL_write returns after each record.
+            # A memory BIO takes any amount, so without them one SSL_write encrypts a whole write.
+            clear_mode(ssl, _lib.SSL_MODE_ENABLE_PARTIAL_WRITE)
+
+    def write_buffer(self, data: bytes | bytearray) -> None:
+        """:meth:`write` for a buffer the caller gives up (it must not change it afterwards).
+
+        A write as big as Twisted's aggregation limit (64,000 bytes) is encrypted at once,
+        after what smaller writes of this reactor turn left waiting: as the aggregation
+        does, but without first copying it into ``bytes`` and again into one joined
+        ``bytes``. Smaller ones are aggregated as :meth:`write` does.
+        """
+        if len(data) < _AGGREGATED_BELOW:
+            self.write(bytes(data))
+            return
+        self._aggregator.flush()
+        TLSMemoryBIOProtocol.write(self, data)
 
     def _write(self, data: bytes) -> None:
-        if self._records is not None:  # re-entered: the outer call sends
-            super()._write(data)
+        # Twisted's _write, in one SSL_write instead of one per 16 KiB (the loop only takes
+        # partial writes, should the mode be on after all).
+        if self._lostTLSConnection:
             return
-        self._records = []
+        written = 0
         try:
-            super()._write(data)
-        finally:
-            records, self._records = self._records, None
-            if records:
-                self.transport.write(b"".join(records))
+            while written < len(data):
+                written += self._tlsConnection.send(memoryview(data)[written:] if written else data)
+        except SSL.WantReadError:
+            # Renegotiation-like states (never with TLS 1.3 in practice): retried with the same
+            # bytes once the peer's answer arrived, as Twisted does.
+            self._bufferedWrite(data[written:])
+        except SSL.Error:
+            failure = Failure()
+            self._flush_send_bio(written)
+            self._tlsShutdownFinished(failure)
+            return
+        self._flush_send_bio(written)
+
+    def _flushSendBIO(self) -> None:
+        self._flush_send_bio(_SEND_BIO_READ)
+
+    def _flush_send_bio(self, plaintext: int) -> None:
+        """Hand TCP everything in the send BIO, in one write (``plaintext``: the bytes just encrypted)."""
+        # Asked for a little more than there can be, BIO_read returns all of it in one call; a
+        # full answer means there may be more.
+        size = plaintext + _RECORD_OVERHEAD * (plaintext // _RECORD_PLAINTEXT + 1) + 1024
+        pieces = []
+        while True:
+            try:
+                piece = self._tlsConnection.bio_read(size)
+            except SSL.WantReadError:
+                break  # nothing (more) in the send BIO
+            pieces.append(piece)
+            if len(piece) < size:
+                break
+        if pieces and not self._dropping_output:
+            self.transport.write(b"".join(pieces))
+
+    def dataReceived(self, data: bytes) -> None:
+        self._ciphertext_received = len(data)  # bounds the plaintext it can make (_flushReceiveBIO)
+        super().dataReceived(data)
+
+    def _flushReceiveBIO(self) -> None:
+        # Twisted's _flushReceiveBIO, delivering the plaintext of every record now in the receive
+        # BIO in one dataReceived call; an end or an error found after them comes after it, as
+        # in Twisted's order.
+        if self._lostTLSConnection:  # TLS already ended: nothing more is read (as in Twisted)
+            self._flushSendBIO()
+            return
+        plaintext, peer_closed, failure = self._decrypt_records()
+        if plaintext and not self._aborted:
+            ProtocolWrapper.dataReceived(self, plaintext)
+        if peer_closed:
+            self._shutdownTLS()
+            # None: the protocol's connectionLost gets the reason from the TCP transport.
+            self._tlsShutdownFinished(None)
+        elif failure is not None:
+            self._tlsShutdownFinished(failure)
+        self._flushSendBIO()
+
+    def _decrypt_records(self) -> tuple[bytes, bool, Failure | None]:
+        """The plaintext of the whole records in the receive BIO, whether a close_notify followed
+        them, and the failure that did.
+
+        OpenSSL returns one record per ``SSL_read``. pyOpenSSL's ``recv`` allocates a buffer,
+        checks for errors and copies the result for each; here the records are decrypted
+        straight into one buffer, copied out once, and errors are looked at when OpenSSL reports one.
+        """
+        connection = self._tlsConnection
+        ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
+        raise_ssl_error = getattr(connection, "_raise_ssl_error", None)
+        if _no_zero_buffer is None or ssl is None or raise_ssl_error is None:
+            return self._decrypt_records_one_by_one()
+        # What just arrived, and at most one record OpenSSL kept from an earlier read: the
+        # plaintext cannot be longer (and if it were, the loop would start a second buffer).
+        size = self._ciphertext_received + _RECORD_PLAINTEXT
+        self._ciphertext_received = 0
+        buffer = _no_zero_buffer("char[]", size)
+        pieces = []
+        filled = 0
+        peer_closed = False
+        failure = None
+        while True:
+            result = _lib.SSL_read(ssl, buffer + filled, size - filled)
+            if result > 0:
+                filled += result
+                if filled == size:
+                    pieces.append(_ffi.buffer(buffer, filled)[:])
+                    filled = 0
+                continue
+            try:
+                raise_ssl_error(ssl, result)
+            except SSL.WantReadError:
+                pass  # the rest of the bytes do not make a record yet
+            except SSL.ZeroReturnError:
+                peer_closed = True  # close_notify: TLS has shut down
+            except SSL.Error:
+                failure = Failure()
+            break
+        if filled:
+            pieces.append(_ffi.buffer(buffer, filled)[:])
+        return b"".join(pieces), peer_closed, failure
+
+    def _decrypt_records_one_by_one(self) -> tuple[bytes, bool, Failure | None]:
+        """:meth:`_decrypt_records` through pyOpenSSL's public ``recv``, one record per call."""
+        received = []
+        peer_closed = False
+        failure = None
+        while True:
+            try:
+                received.append(self._tlsConnection.recv(_RECORD_READ))
+            except SSL.WantReadError:
+                pass
+            except SSL.ZeroReturnError:
+                peer_closed = True
+            except SSL.Error:
+                failure = Failure()
+            else:
+                continue
+            break
+        return b"".join(received), peer_closed, failure
 
     def abortConnection(self) -> None:
         # Twisted's TLS abort writes a close_notify, then aborts TCP, which drops it
         # unsent. Sent at once, it would reach the peer and make the abrupt end look
         # like a clean one: keep back what the abort encrypts.
-        self._records = []
+        self._dropping_output = True
         try:
             super().abortConnection()
         finally:
-            self._records = None
-
-    def _flushSendBIO(self) -> None:
-        if self._records is None:
-            super()._flushSendBIO()
-            return
-        try:
-            self._records.append(self._tlsConnection.bio_read(2**15))
-        except SSL.WantReadError:
-            pass  # nothing in the send BIO
+            self._dropping_output = False
 
 
 def tls_factory(

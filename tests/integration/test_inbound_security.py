@@ -36,12 +36,14 @@ def test_connect_to_the_proxys_own_ports_is_refused_like_ztunnel(two_nodes, tmp_
         assert connect_status(client, f"{SERVER_IP}:15008") == "503"
         assert connect_status(client, f"{SERVER_IP}:15006") == "503"
         assert connect_status(client, f"{SERVER_IP}:8080") == "200"  # the control
+        events = wait_until(
+            lambda: [e for e in inbound_access_events(two_nodes.b) if "error" in e] or None,
+            what="node-b's access log of the refused calls",
+        )
     finally:
+        # Only now: closing ends the control tunnel too, "connection lost/reset" in the log,
+        # which a slow first look at the log would otherwise find as well.
         client.close()
-    events = wait_until(
-        lambda: [e for e in inbound_access_events(two_nodes.b) if "error" in e] or None,
-        what="node-b's access log of the refused calls",
-    )
     assert [(e["dst.addr"], e["error"]) for e in events] == [
         (f"{SERVER_IP}:15008", "self-call: port 15008 is the proxy's own"),
         (f"{SERVER_IP}:15006", "self-call: port 15006 is the proxy's own"),

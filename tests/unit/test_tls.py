@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import attr
 import pytest
 import pytest_twisted
@@ -9,6 +11,7 @@ from OpenSSL import SSL
 from twisted.internet import defer, task
 from twisted.internet.address import IPv4Address
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import (
     IHandshakeListener,
     IOpenSSLClientConnectionCreator,
@@ -20,6 +23,7 @@ from twisted.python.failure import Failure
 from twisted.test import iosim
 from zope.interface import implementer
 
+import ztwisted.tls
 from ztwisted.ca import CertificateAuthority, IssuedCertificate, create_files
 from ztwisted.identity import SpiffeId
 from ztwisted.tls import (
@@ -77,8 +81,12 @@ class Link:
     server: Peer = attr.ib()
 
 
-def connect(server_creator, client_creator) -> Link:
-    """Handshake in memory (deterministic), pumping until both sides are quiet."""
+def connect(server_creator, client_creator, *, client_through_tls_factory: bool = False) -> Link:
+    """Handshake in memory (deterministic), pumping until both sides are quiet.
+
+    The client side is ztwisted's own TLS transport (:func:`tls_factory`) if asked,
+    else, like the server side, Twisted's.
+    """
     clock = task.Clock()
     address = IPv4Address("TCP", "127.0.0.1", 15008)
 
@@ -87,7 +95,15 @@ def connect(server_creator, client_creator) -> Link:
         return TLSMemoryBIOFactory(creator, is_client, factory, clock=clock)
 
     server_factory = wrap(server_creator, False)
-    client_factory = wrap(client_creator, True)
+    if client_through_tls_factory:
+        client_factory = tls_factory(
+            client_creator,
+            True,
+            Factory.forProtocol(Peer),
+            factory_class=functools.partial(TLSMemoryBIOFactory, clock=clock),
+        )
+    else:
+        client_factory = wrap(client_creator, True)
     client_tls, server_tls, pump = iosim.connectedServerAndClient(
         lambda: server_factory.buildProtocol(address),
         lambda: client_factory.buildProtocol(address),
@@ -515,3 +531,97 @@ def test_tls_factory_abort_sends_no_close_notify(server_cert, client_cert):
         yield within(client.closed, reactor)
     finally:
         yield tcp_cleanup(port, client, servers)
+
+
+class ChunkCountingPeer(Peer):
+    """A :class:`Peer` that also remembers the size of each ``dataReceived`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list[int] = []
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(len(data))
+        super().dataReceived(data)
+
+
+def _counting_link(server_cert, client_cert) -> tuple[Link, ChunkCountingPeer]:
+    link = connect(server_for(server_cert), client_for(client_cert), client_through_tls_factory=True)
+    assert link.client.handshake_done and link.server.handshake_done
+    counting = ChunkCountingPeer()
+    counting.makeConnection(link.client_tls)
+    link.client_tls.wrappedProtocol = counting
+    return link, counting
+
+
+@pytest.fixture(params=["into one buffer", "through pyOpenSSL's recv"])
+def decrypting(request, monkeypatch):
+    """Both ways the TLS transport decrypts: straight into one buffer, and the fallback for a
+    pyOpenSSL without the internals it uses (one public ``recv`` per record)."""
+    if request.param != "into one buffer":
+        monkeypatch.setattr(ztwisted.tls, "_no_zero_buffer", None)
+    return request.param
+
+
+def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, client_cert, decrypting):
+    """What one TCP read brings (here seven 16 KiB records) reaches the protocol in one call, in order."""
+    link, client = _counting_link(server_cert, client_cert)
+    payload = bytes(range(256)) * 400  # 102,400 bytes: seven records, written at once
+    link.server_tls.write(payload)
+    link.pump.flush()  # iosim hands the client everything written in one dataReceived
+    assert client.chunks == [len(payload)]
+    assert client.received == payload
+
+
+def test_tls_factory_delivers_data_before_the_close_notify_that_follows_it(server_cert, client_cert, decrypting):
+    """Records and the close_notify after them in one read: the data first, then a clean close."""
+    link, client = _counting_link(server_cert, client_cert)
+    payload = b"last words" * 5000
+    link.server_tls.write(payload)
+    link.server_tls.loseConnection()
+    link.pump.flush()
+    assert client.chunks == [len(payload)]
+    assert client.received == payload
+    assert client.lost is not None and client.lost.check(ConnectionDone), client.lost
+
+
+def test_tls_factory_encrypts_a_write_in_one_ssl_write(server_cert, client_cert):
+    """A write of many records is one SSL_write and one write to TCP, whatever its size."""
+    link, _ = _counting_link(server_cert, client_cert)
+    connection = link.client_tls._tlsConnection
+    ssl_writes = []
+    send = connection.send
+    connection.send = lambda data: (ssl_writes.append(len(data)), send(data))[1]  # this test's probe only
+    tcp_writes = []
+    tcp_write = link.client_tls.transport.write
+    link.client_tls.transport.write = lambda data: (tcp_writes.append(len(data)), tcp_write(data))
+    payload = bytes(range(256)) * 1024  # 256 KiB: sixteen records
+    link.client_tls.write(payload)
+    assert ssl_writes == [len(payload)]
+    assert len(tcp_writes) == 1 and tcp_writes[0] >= len(payload) + 16 * 22, tcp_writes
+    link.pump.flush()
+    assert link.server.received == payload
+
+
+def test_tls_factory_decrypts_more_records_than_it_expected(server_cert, client_cert):
+    """Records already in the receive BIO beyond what the last read can have made (which the
+    sizing rules out) are still all delivered, in order, in one call."""
+    link, client = _counting_link(server_cert, client_cert)
+    payload = bytes(range(256)) * 400  # seven records
+    link.server_tls.write(payload)
+    ciphertext = link.pump.serverIO.getOutBuffer()
+    link.client_tls._tlsConnection.bio_write(ciphertext)  # not through dataReceived: no size hint
+    link.client_tls._flushReceiveBIO()
+    assert client.chunks == [len(payload)]
+    assert client.received == payload
+
+
+def test_tls_factory_write_buffer_sends_a_bytearray_it_is_given(server_cert, client_cert):
+    """write_buffer: a big buffer is encrypted at once, after the small writes that wait; a small one waits too."""
+    link, _ = _counting_link(server_cert, client_cert)
+    link.client_tls.write(b"small, ")  # aggregated until the end of the reactor turn
+    big = bytearray(bytes(range(256)) * 400)
+    link.client_tls.write_buffer(big)
+    link.client_tls.write_buffer(bytearray(b", and a small one"))
+    link.pump.flush()
+    assert link.server.received == b"small, " + bytes(big) + b", and a small one"

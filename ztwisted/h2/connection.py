@@ -79,6 +79,16 @@ def _h2_config(client: bool) -> h2.config.H2Configuration:
     )
 
 
+def _write_given_buffer(transport, data: bytes | bytearray) -> None:
+    """Write ``data``, h2's own buffer given away (:func:`~ztwisted.h2.lean_data.take_data_to_send`):
+    ztwisted's TLS transport (``tls.tls_factory``) takes it as it is, any other gets ``bytes``."""
+    write_buffer = getattr(transport, "write_buffer", None)
+    if write_buffer is not None:
+        write_buffer(data)
+    else:
+        transport.write(bytes(data))
+
+
 @implementer(IHandshakeListener, IPushProducer)
 class HBONEConnection(Protocol):
     """HTTP/2 over TLS for HBONE, client or server side.
@@ -366,11 +376,11 @@ class HBONEConnection(Protocol):
 
     def send_pending(self) -> None:
         """Write what h2 queued, unless the transport is closing or gone."""
-        data = self.h2.data_to_send()
+        data = lean_data.take_data_to_send(self.h2)
         if data and self.lifecycle.writable:
             if self.flow.transport_paused and self.floods.unread_control_bytes(len(data)):
                 return
-            self.transport.write(data)
+            _write_given_buffer(self.transport, data)
 
     def peer_text(self) -> str:
         if self.peer_identity is not None:

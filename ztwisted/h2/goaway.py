@@ -39,6 +39,11 @@ ENHANCE_YOUR_CALM = 0xB
 MAX_STREAM_ID = 2**31 - 1
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
+Buffer = bytes | bytearray | memoryview
+#: bytes for ``h2`` and whether they are one whole DATA frame (see :meth:`GoawayFilter.segments`);
+#: a whole DATA frame is not copied out of what was received (a view of it, or the frame held)
+Segment = tuple[Buffer, bool]
+
 # A GOAWAY carries at most a short debug text in practice; anything bigger is
 # an attempt to make us buffer, so it is treated as a protocol violation.
 MAX_GOAWAY_PAYLOAD = 16 * 1024
@@ -150,18 +155,18 @@ class GoawayFilter:
         segments, goaways = self.segments(data, cut_out_data_frames=False)
         return b"".join(segment for segment, _ in segments), goaways
 
-    def segments(
-        self, data: bytes, cut_out_data_frames: bool = True
-    ) -> tuple[list[tuple[bytes, bool]], list[ReceivedGoaway]]:
+    def segments(self, data: bytes, cut_out_data_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
         """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
 
         Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each
         DATA frame without padding and without END_STREAM that is not inside a header
         block is a segment of its own, flagged True (for
         :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until it is complete
-        (as ``h2`` would buffer it); everything else comes in runs flagged False.
+        (as ``h2`` would buffer it); everything else comes in runs flagged False. A whole
+        DATA frame is not copied: it is a ``memoryview`` of ``data``, or the ``bytearray``
+        it was held in, valid until the next call.
         """
-        segments: list[tuple[bytes, bool]] = []
+        segments: list[Segment] = []
         data, position = self._continue_from_earlier_reads(data, segments)
         goaways: list[ReceivedGoaway] = []
         view = memoryview(data)
@@ -199,7 +204,7 @@ class GoawayFilter:
                 self._held, self._held_missing = bytearray(view[position:end]), frame_end - end
                 return segments, goaways
             if cut_out_data:
-                segments.append((bytes(view[position:frame_end]), True))
+                segments.append((view[position:frame_end], True))  # not copied: the lean path copies the payload
             else:
                 goaways.append(_decode_goaway_payload(bytes(view[position + FRAME_HEADER_LENGTH : frame_end])))
             position = start_of_run = frame_end
@@ -209,7 +214,7 @@ class GoawayFilter:
             self._pending = bytes(view[position:])
         return segments, goaways
 
-    def _continue_from_earlier_reads(self, data: bytes, segments: list[tuple[bytes, bool]]) -> tuple[bytes, int]:
+    def _continue_from_earlier_reads(self, data: Buffer, segments: list[Segment]) -> tuple[Buffer, int]:
         """``data`` after what earlier reads left (a held DATA frame, the start of a frame), and
         where its first frame header is (after the client preface)."""
         if self._held_missing:
@@ -221,16 +226,17 @@ class GoawayFilter:
         self._preface_left -= preface
         return data, preface
 
-    def _complete_held_frame(self, data: bytes, segments: list[tuple[bytes, bool]]) -> bytes:
+    def _complete_held_frame(self, data: Buffer, segments: list[Segment]) -> Buffer:
         """Add ``data`` to the DATA frame held; once whole, it is the first segment. Returns what follows it."""
-        taken = data[: self._held_missing]
-        self._held += taken
-        self._held_missing -= len(taken)
+        view = memoryview(data)
+        taken = min(self._held_missing, len(view))
+        self._held += view[:taken]
+        self._held_missing -= taken
         if self._held_missing:
             return b""
-        segments.append((bytes(self._held), True))
+        segments.append((self._held, True))
         self._held = bytearray()
-        return data[len(taken) :]
+        return view[taken:]
 
     def _plain_data_frame(self, frame_type: int, flags: int) -> bool:
         """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise).

@@ -31,7 +31,8 @@ Sent (:func:`send_data_frame`): a frame without padding or END_STREAM, on an
 open connection and a stream ``h2`` holds in a state that sends DATA, within
 the maximum frame size and both outbound windows: the windows are consumed
 and the frame is queued in ``h2``'s send buffer, as ``h2.send_data`` does;
-otherwise the caller uses ``send_data``.
+otherwise the caller uses ``send_data``. :func:`take_data_to_send` then takes
+that buffer as it is, where ``h2.data_to_send`` would copy it.
 
 One difference from ``h2`` alone is deliberate: the segments of a read are
 fed one ``receive_data`` call each, and ``h2`` fixes its maximum frame size
@@ -118,7 +119,7 @@ def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool
     events: list[h2.events.Event] = []
     for segment, whole_data_frame in segments:
         taken = take_data_frame(h2conn, segment) if whole_data_frame else None
-        events += h2conn.receive_data(segment) if taken is None else taken
+        events += h2conn.receive_data(bytes(segment)) if taken is None else taken
     return events
 
 
@@ -148,7 +149,9 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
         h2conn._terminate_connection(e.error_code)
         raise
     return [
-        h2.events.DataReceived(stream_id=stream_id, data=frame[FRAME_HEADER_LENGTH:], flow_controlled_length=length)
+        h2.events.DataReceived(
+            stream_id=stream_id, data=bytes(memoryview(frame)[FRAME_HEADER_LENGTH:]), flow_controlled_length=length
+        )
     ]
 
 
@@ -173,6 +176,21 @@ def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: by
     h2conn._data_to_send += size.to_bytes(3, "big") + _DATA_NO_FLAGS + stream_id.to_bytes(4, "big")
     h2conn._data_to_send += data
     return True
+
+
+def take_data_to_send(h2conn: h2.connection.H2Connection) -> bytes | bytearray:
+    """What ``h2`` queued to send, as ``h2.data_to_send()`` returns it, but without copying it:
+    ``h2``'s own ``bytearray`` is handed over (and replaced by an empty one), so a DATA frame
+    queued by :func:`send_data_frame` is copied once, into that buffer, and not again out of it.
+    ``h2`` never touches the result again.
+    """
+    if not ENABLED:
+        return h2conn.data_to_send()
+    queued = h2conn._data_to_send
+    if not queued:
+        return b""
+    h2conn._data_to_send = bytearray()
+    return queued
 
 
 _DATA_NO_FLAGS = bytes([DATA_FRAME_TYPE, 0])

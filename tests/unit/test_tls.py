@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import attr
 import pytest
 import pytest_twisted
@@ -96,12 +94,7 @@ def connect(server_creator, client_creator, *, client_through_tls_factory: bool 
 
     server_factory = wrap(server_creator, False)
     if client_through_tls_factory:
-        client_factory = tls_factory(
-            client_creator,
-            True,
-            Factory.forProtocol(Peer),
-            factory_class=functools.partial(TLSMemoryBIOFactory, clock=clock),
-        )
+        client_factory = tls_factory(client_creator, True, Factory.forProtocol(Peer), clock)
     else:
         client_factory = wrap(client_creator, True)
     client_tls, server_tls, pump = iosim.connectedServerAndClient(

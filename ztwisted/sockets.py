@@ -161,6 +161,15 @@ def client_socket(
     return sock
 
 
+def _established(sock: socket.socket) -> bool:
+    """Whether a non-blocking connect in progress has already completed (one getpeername)."""
+    try:
+        sock.getpeername()
+    except OSError:
+        return False
+    return True
+
+
 class _ConnectWaiter:
     """Waits (on the reactor) for a non-blocking connect to finish."""
 
@@ -228,7 +237,8 @@ def connect_socket(
     The sockets come from :func:`client_socket`, made here or inside a pod's
     network namespace on a short-lived thread (:mod:`ztwisted.netns`), bound
     to a workload's address and marked: neither ``connectTCP`` nor a Twisted
-    endpoint can take such a socket. So the connect is waited for here, and
+    endpoint can take such a socket. So the connect is waited for here (if
+    it has not already completed, as it has to an address of this host), and
     the transport (:class:`_ConnectedTransport`) is then built over this very
     socket, which it owns from then on; on any failure ``sock`` is closed.
     """
@@ -240,6 +250,14 @@ def connect_socket(
     if code not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
         sock.close()
         return defer.fail(OSError(code, f"connect to {address[0]}:{address[1]} failed: {os.strerror(code)}"))
+    if code == 0 or _established(sock):
+        # To an address of this host (node-b to a local app, in a pod's namespace too) the
+        # handshake is over by the time connect() returns: no poll, no timer. The Deferred
+        # then has fired when this returns.
+        try:
+            return defer.succeed(_ConnectedTransport.start(reactor, sock, address, factory).protocol)
+        except BaseException:
+            return defer.fail()
     waiter = _ConnectWaiter(reactor, sock, address, timeout)
 
     def connected(_: None) -> Any:

@@ -203,7 +203,9 @@ def test_connect_socket_runs_the_transport_on_the_socket_it_was_given():
     assert _nodelay(sock), "set before the connect: a connected socket inherits it from no listener"
     fd = sock.fileno()
     try:
-        made = yield connect_socket(reactor, sock, address, protocol.Factory.forProtocol(_Received), timeout=5)
+        connecting = connect_socket(reactor, sock, address, protocol.Factory.forProtocol(_Received), timeout=5)
+        assert connecting.called, "to an address of this host the connect is complete at once: no reactor turn"
+        made = yield connecting
         transport = made.transport
         # No duplicate of the file descriptor: the transport owns this very socket.
         assert transport.getHandle() is sock and transport.fileno() == fd
@@ -222,6 +224,49 @@ def test_connect_socket_runs_the_transport_on_the_socket_it_was_given():
     finally:
         listener.close()
         sock.close()
+
+
+def _full_listener() -> tuple[socket.socket, socket.socket]:
+    """A listener whose accept queue is full (Linux then drops SYNs), and the client queued in it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    queued = socket.create_connection(listener.getsockname(), timeout=5)
+    return listener, queued
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_waits_for_a_connect_still_in_progress():
+    listener, queued = _full_listener()
+    sock = client_socket("127.0.0.1")
+    try:
+        connecting = connect_socket(
+            reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=10
+        )
+        assert not connecting.called, "the SYN was dropped: the connect is still in progress"
+        accepted, _ = listener.accept()  # room in the queue: the SYN sent again (after ~1 s) is answered
+        accepted.close()
+        made = yield connecting
+        assert made.transport.getHandle() is sock
+        made.transport.loseConnection()
+    finally:
+        queued.close()
+        listener.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_times_out_and_closes_the_socket():
+    listener, queued = _full_listener()
+    sock = client_socket("127.0.0.1")
+    try:
+        with pytest.raises(TimeoutError, match="timed out after 0.2 s"):
+            yield connect_socket(
+                reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=0.2
+            )
+        assert sock.fileno() == -1
+    finally:
+        queued.close()
+        listener.close()
 
 
 @pytest_twisted.inlineCallbacks

@@ -1,4 +1,4 @@
-"""ztwisted.sockets.write_through on real TCP connections of the running reactor."""
+"""Write-through TCP transports (ztwisted.sockets): write_through, the proxy's listeners, connect_socket; real sockets."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def _write_more_than_the_socket_takes(transport, client: socket.socket) -> bytes:
+    """Make ``transport`` write-through and write so much that part of it is queued; returns what it wrote."""
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    write_through(transport)
+    big = bytes(range(256)) * 1024  # 256 KiB: far more than the socket buffers hold
+    transport.write(big)
+    assert transport._tempDataLen > 0 or len(transport.dataBuffer) > transport.offset, "nothing was queued"
+    return big
+
+
 @pytest_twisted.inlineCallbacks
 def test_a_write_with_nothing_queued_is_sent_before_the_reactor_runs_again():
     transport, client = yield _connected_pair()
@@ -68,12 +79,7 @@ def test_a_write_with_nothing_queued_is_sent_before_the_reactor_runs_again():
 def test_what_the_socket_does_not_take_is_queued_and_order_is_kept():
     transport, client = yield _connected_pair()
     try:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        write_through(transport)
-        big = bytes(range(256)) * 1024  # 256 KiB: far more than the socket buffers hold
-        transport.write(big)
-        assert transport._tempDataLen > 0 or len(transport.dataBuffer) > transport.offset, "nothing was queued"
+        big = _write_more_than_the_socket_takes(transport, client)
         # With a queue, later writes join it instead of jumping ahead.
         transport.write(b"tail")
         received = yield threads.deferToThread(_read_exactly, client, len(big) + 4)
@@ -101,6 +107,14 @@ class _HalfClosing(protocol.Protocol):
 
     write_closed = 0
 
+    @classmethod
+    def on(cls, transport) -> _HalfClosing:
+        """A new one as ``transport``'s protocol."""
+        protocol = cls()
+        protocol.makeConnection(transport)
+        transport.protocol = protocol
+        return protocol
+
     def writeConnectionLost(self):
         self.write_closed += 1
 
@@ -112,9 +126,7 @@ class _HalfClosing(protocol.Protocol):
 def test_a_half_close_with_nothing_queued_is_sent_before_the_reactor_runs_again():
     transport, client = yield _connected_pair()
     try:
-        halves = _HalfClosing()
-        halves.makeConnection(transport)
-        transport.protocol = halves
+        halves = _HalfClosing.on(transport)
         write_through(transport)
         transport.write(b"last")
         transport.loseWriteConnection()
@@ -134,15 +146,8 @@ def test_a_half_close_with_nothing_queued_is_sent_before_the_reactor_runs_again(
 def test_a_half_close_behind_queued_bytes_comes_after_all_of_them():
     transport, client = yield _connected_pair()
     try:
-        halves = _HalfClosing()
-        halves.makeConnection(transport)
-        transport.protocol = halves
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        write_through(transport)
-        big = bytes(range(256)) * 1024  # 256 KiB: far more than the socket buffers hold
-        transport.write(big)
-        assert transport._tempDataLen > 0 or len(transport.dataBuffer) > transport.offset, "nothing was queued"
+        halves = _HalfClosing.on(transport)
+        big = _write_more_than_the_socket_takes(transport, client)
         transport.loseWriteConnection()
         assert halves.write_closed == 0, "the FIN must wait for the queued bytes"
 

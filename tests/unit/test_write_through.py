@@ -309,3 +309,19 @@ def _until(condition, timeout: float = 5.0):
         assert waited < timeout, "condition not met in time"
         yield task.deferLater(reactor, 0.01, lambda: None)
         waited += 0.01
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_over_ipv6():
+    from twisted.internet.address import IPv6Address
+
+    listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    port = listener.getsockname()[1]
+    try:
+        made = yield connect_socket(
+            reactor, client_socket("::1"), ("::1", port), protocol.Factory.forProtocol(_Received), timeout=5
+        )
+        assert made.transport.getPeer() == IPv6Address("TCP", "::1", port)
+        made.transport.loseConnection()
+    finally:
+        listener.close()

@@ -1,4 +1,5 @@
-"""Sockets the reactor cannot make by itself: SO_REUSEPORT listeners, original destinations."""
+"""Sockets the reactor cannot make by itself (SO_REUSEPORT listeners, original destinations,
+bound and marked connects), and write-through TCP transports."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Before/after of proxy CPU per short connection: both installs' node pairs up at once, load alternating.
 
-    python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON [--slices 16] [--seconds 2] [--net 41]
+    python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON [--slices 16] [--seconds 2] [--net 41] [--sequential N]
 
 `ab.py` compares whole `run.py --quick` runs, a minute apart; on a shared
 machine their proxy CPU per short connection moves by 10-20 % from run to
@@ -13,8 +13,12 @@ threads, as `run.py`) go to each pair in turn in slices of a few seconds.
 Each slice gives every pair's CPU per connection (its two nodes,
 `/proc/PID/stat`), and the slice's change is the mean of the "after" pairs
 over the mean of the "before" pairs; the result is the median over slices,
-so the machine's drift hits both sides alike. Each Python must have its own
-ztwisted installed (its `twistd` runs the nodes).
+so the machine's drift hits both sides alike. With `--sequential N`, each
+slice instead makes N connections one after another to each pair (one
+client, `load.setup`): proxy CPU per connection without concurrency, and
+the time until the first echo (SOCKS5 handshake, tunnel, app connect, one
+echo). Each Python must have its own ztwisted installed (its `twistd` runs
+the nodes).
 """
 
 from __future__ import annotations
@@ -86,6 +90,15 @@ def cpu_per_connection(pair: _InstallPair, seconds: float) -> float:
     return (sum(cpu_seconds(pid) for pid in pids) - before) / result["ok"] * 1e6
 
 
+def sequential(pair: _InstallPair, count: int) -> tuple[float, float]:
+    """``count`` connections one after another (``load.setup``): (proxy CPU per connection, p50 until the first echo), µs."""
+    pids = pair.pids().values()
+    before = sum(cpu_seconds(pid) for pid in pids)
+    _, first_echo = load.setup(pair.echo, count)
+    cpu = (sum(cpu_seconds(pid) for pid in pids) - before) / count * 1e6
+    return cpu, statistics.median(first_echo) / 1000
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="the Python of the 'before' install")
@@ -93,6 +106,13 @@ def main() -> int:
     parser.add_argument("--slices", type=int, default=16, help="slices per side (default 16)")
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds of load per slice (default 2)")
     parser.add_argument("--net", type=int, default=41)
+    parser.add_argument(
+        "--sequential",
+        type=int,
+        metavar="N",
+        help="instead: N connections one after another per pair and slice (one client, no concurrency);"
+        " proxy CPU per connection and the p50 time until the first echo",
+    )
     args = parser.parse_args()
     if args.slices < 2:
         parser.error("--slices must be at least 2")
@@ -119,10 +139,20 @@ def main() -> int:
             pair.start()
             warm_up(pair)
             pairs.append((label, pair))
+        latency: dict[str, list[float]] = {"before": [], "after": []}
         for index in range(args.slices):
             used = {"before": [], "after": []}
+            waited = {"before": [], "after": []}
             for label, pair in pairs if index % 2 == 0 else reversed(pairs):
-                used[label].append(cpu_per_connection(pair, args.seconds))
+                if args.sequential:
+                    cpu_us, first_echo_us = sequential(pair, args.sequential)
+                    waited[label].append(first_echo_us)
+                else:
+                    cpu_us = cpu_per_connection(pair, args.seconds)
+                used[label].append(cpu_us)
+            for label, values in waited.items():
+                if values:
+                    latency[label].append(statistics.mean(values))
             before, after = statistics.mean(used["before"]), statistics.mean(used["after"])
             cpu["before"].append(before)
             cpu["after"].append(after)
@@ -132,14 +162,23 @@ def main() -> int:
         for item in reversed(started):
             item.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+    kind = f"{args.sequential} sequential connections" if args.sequential else f"{args.seconds:g} s"
     print("| proxy CPU per short connection (both nodes) | before | after | paired change |")
     print("|---|---|---|---|")
     print(
-        f"| median of {args.slices} interleaved slices of {args.seconds:g} s per pair | "
+        f"| median of {args.slices} interleaved slices of {kind} per pair | "
         f"{statistics.median(cpu['before']):,.0f} us | {statistics.median(cpu['after']):,.0f} us | "
         f"{100 * statistics.median(changes):+.1f} % (mean {100 * statistics.mean(changes):+.1f} %, "
         f"sd {100 * statistics.stdev(changes):.1f} %) |"
     )
+    if args.sequential:
+        steps = [after / before - 1 for before, after in zip(latency["before"], latency["after"], strict=True)]
+        print(
+            f"| time until the first echo, p50 per slice, median of the slices | "
+            f"{statistics.median(latency['before']):,.0f} us | {statistics.median(latency['after']):,.0f} us | "
+            f"{100 * statistics.median(steps):+.1f} % (mean {100 * statistics.mean(steps):+.1f} %, "
+            f"sd {100 * statistics.stdev(steps):.1f} %) |"
+        )
     return 0
 
 

@@ -239,8 +239,8 @@ def connect_socket(
     network namespace on a short-lived thread (:mod:`ztwisted.netns`), bound
     to a workload's address and marked: neither ``connectTCP`` nor a Twisted
     endpoint can take such a socket. So the connect is waited for here (if
-    it has not already completed, as it has to an address of this host), and
-    the transport (:class:`_ConnectedTransport`) is then built over this very
+    it has not already completed, as it has to an address of this host: then
+    the result comes at the end of this reactor iteration), and the transport (:class:`_ConnectedTransport`) is then built over this very
     socket, which it owns from then on; on any failure ``sock`` is closed.
     """
     try:
@@ -253,13 +253,15 @@ def connect_socket(
         return defer.fail(OSError(code, f"connect to {address[0]}:{address[1]} failed: {os.strerror(code)}"))
     if code == 0 or _established(sock):
         # To an address of this host (node-b to a local app, in a pod's namespace too) the
-        # handshake is over by the time connect() returns: no poll, no timer. The Deferred
-        # then has fired when this returns.
-        try:
-            return defer.succeed(_ConnectedTransport.start(reactor, sock, address, factory).protocol)
-        except BaseException:
-            return defer.fail()
-    waiter = _ConnectWaiter(reactor, sock, address, timeout)
+        # handshake is over by the time connect() returns: no poll and no timer. The result
+        # still comes after the caller's current work, at the end of this reactor iteration,
+        # as a connect that waits would (callers act on the stream it is for; h2 may have
+        # more to say about that stream from the same read).
+        delayed = None
+        ready: defer.Deferred[None] = defer.Deferred(lambda _: delayed.cancel())
+        delayed = reactor.callLater(0, ready.callback, None)
+    else:
+        ready = _ConnectWaiter(reactor, sock, address, timeout).result
 
     def connected(_: None) -> Any:
         return _ConnectedTransport.start(reactor, sock, address, factory).protocol
@@ -268,7 +270,7 @@ def connect_socket(
         sock.close()
         return failure
 
-    return waiter.result.addCallbacks(connected, close_socket)
+    return ready.addCallbacks(connected, close_socket)
 
 
 class _WriteThrough:

@@ -12,6 +12,7 @@ from twisted.internet.interfaces import IHalfCloseableProtocol
 from zope.interface import implementer
 
 from ztwisted.sockets import (
+    _ConnectWaiter,
     adopt_listening_socket,
     client_socket,
     connect_socket,
@@ -209,7 +210,8 @@ def test_connect_socket_runs_the_transport_on_the_socket_it_was_given():
     fd = sock.fileno()
     try:
         connecting = connect_socket(reactor, sock, address, protocol.Factory.forProtocol(_Received), timeout=5)
-        assert connecting.called, "to an address of this host the connect is complete at once: no reactor turn"
+        # To an address of this host the connect is complete at once: no poll for writability.
+        assert not [waiter for waiter in reactor.getWriters() if isinstance(waiter, _ConnectWaiter)]
         made = yield connecting
         transport = made.transport
         # No duplicate of the file descriptor: the transport owns this very socket.
@@ -249,6 +251,7 @@ def test_connect_socket_waits_for_a_connect_still_in_progress():
             reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=10
         )
         assert not connecting.called, "the SYN was dropped: the connect is still in progress"
+        assert [waiter for waiter in reactor.getWriters() if isinstance(waiter, _ConnectWaiter)]
         accepted, _ = listener.accept()  # room in the queue: the SYN sent again (after ~1 s) is answered
         accepted.close()
         made = yield connecting
@@ -323,5 +326,21 @@ def test_connect_socket_over_ipv6():
         )
         assert made.transport.getPeer() == IPv6Address("TCP", "::1", port)
         made.transport.loseConnection()
+    finally:
+        listener.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_connect_cancelled_before_its_result_closes_the_socket():
+    listener = socket.create_server(("127.0.0.1", 0))
+    sock = client_socket("127.0.0.1")
+    try:
+        connecting = connect_socket(
+            reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=5
+        )
+        connecting.cancel()  # the caller went away before the end of this reactor iteration
+        with pytest.raises(defer.CancelledError):
+            yield connecting
+        assert sock.fileno() == -1
     finally:
         listener.close()

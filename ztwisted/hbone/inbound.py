@@ -284,9 +284,8 @@ class _PlaintextInbound(TCPEnd):
             record.refused(*refusal)
             self.transport.loseConnection()
             return
-        # First this end, then the upstream: a local connect completes (and splices) at once.
-        super().connectionMade()
         self._connect_upstream(record, ip, port)
+        super().connectionMade()
 
     def _destination(self) -> tuple[str, int] | None:
         """Where iptables sent this connection, if it is for this workload (else logged, None)."""

@@ -1,6 +1,7 @@
 """Before/after of proxy CPU per short connection (or per MB of bulk): both installs' node pairs up at once, load alternating.
 
     python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON [--slices 16] [--seconds 2] [--net 41]
+    python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON --sequential N [--slices 16] [--net 41]
     python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON --load bulk [--slices 16] [--bulk-mb 100] [--net 41]
 
 `ab.py` compares whole `run.py --quick` runs, a minute apart; on a shared
@@ -14,11 +15,14 @@ threads, as `run.py`) go to each pair in turn in slices of a few seconds.
 Each slice gives every pair's CPU per connection (its two nodes,
 `/proc/PID/stat`), and the slice's change is the mean of the "after" pairs
 over the mean of the "before" pairs; the result is the median over slices,
-so the machine's drift hits both sides alike. With ``--load bulk`` a slice
-is one `load.bulk` transfer of ``--bulk-mb`` MB through each pair in turn,
-and each of its two figures, throughput (MB/s) and proxy CPU per MB, is
-compared the same way. Each Python must have its own
-ztwisted installed (its `twistd` runs the nodes).
+so the machine's drift hits both sides alike. With `--sequential N`, each
+slice instead makes N connections one after another to each pair (one
+client, `load.setup`): proxy CPU per connection without concurrency, and
+the time until the first echo (SOCKS5 handshake, tunnel, app connect, one
+echo). With ``--load bulk`` a slice is one `load.bulk` transfer of
+``--bulk-mb`` MB through each pair in turn, and each of its two figures,
+throughput (MB/s) and proxy CPU per MB, is compared the same way. Each
+Python must have its own ztwisted installed (its `twistd` runs the nodes).
 """
 
 from __future__ import annotations
@@ -104,6 +108,19 @@ def bulk_figures(pair: _InstallPair, megabytes: int) -> dict[str, float]:
     }
 
 
+def sequential(pair: _InstallPair, count: int) -> dict[str, float]:
+    """``count`` connections one after another (``load.setup``): proxy CPU per connection, p50 until the first echo."""
+    pids = pair.pids().values()
+    before = sum(cpu_seconds(pid) for pid in pids)
+    _, first_echo = load.setup(pair.echo, count)
+    return {
+        "proxy CPU per sequential connection (both nodes), us": (sum(cpu_seconds(pid) for pid in pids) - before)
+        / count
+        * 1e6,
+        "time until the first echo, p50, us": statistics.median(first_echo) / 1000,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="the Python of the 'before' install")
@@ -117,11 +134,21 @@ def main() -> int:
         "--bulk-mb", type=int, default=100, help="MB sent through each pair per bulk slice (default 100)"
     )
     parser.add_argument("--net", type=int, default=41)
+    parser.add_argument(
+        "--sequential",
+        type=int,
+        metavar="N",
+        help="with --load conns: N connections one after another per pair and slice instead (one client,"
+        " no concurrency); proxy CPU per connection and the p50 time until the first echo",
+    )
     args = parser.parse_args()
     if args.slices < 2:
         parser.error("--slices must be at least 2")
     if args.load == "bulk":
         slice_figures, slice_text = (lambda pair: bulk_figures(pair, args.bulk_mb)), f"{args.bulk_mb} MB of bulk"
+    elif args.sequential:
+        count = args.sequential
+        slice_figures, slice_text = (lambda pair: sequential(pair, count)), f"{count} sequential connections"
     else:
         slice_figures, slice_text = (lambda pair: cpu_per_connection(pair, args.seconds)), f"{args.seconds:g} s"
     workdir = Path(tempfile.mkdtemp(prefix="ztwisted-ab-conns-"))

@@ -1,4 +1,5 @@
-"""Sockets the reactor cannot make by itself: SO_REUSEPORT listeners, original destinations."""
+"""Sockets the reactor cannot make by itself (SO_REUSEPORT listeners, original destinations,
+bound and marked connects), and write-through TCP transports."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import struct
 from typing import Any
 
 from twisted.internet import defer, main, tcp
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -28,12 +30,16 @@ def listening_socket(
     """A bound, listening, non-blocking TCP socket.
 
     SO_REUSEPORT lets a new proxy process share the ports of the running one
-    (restart without loss), as ztunnel's listeners do.
+    (restart without loss), as ztunnel's listeners do. TCP_NODELAY is set on
+    the listener because Linux copies it to every socket it accepts: the
+    proxy's connections need it (see :func:`write_through`), and this way
+    they have it without a ``setsockopt`` each.
     """
     family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if mark is not None:
@@ -57,6 +63,11 @@ def _address(ip: str, port: int) -> str:
 def adopt_listening_socket(reactor, sock: socket.socket, factory):
     """Hand a listening socket to the reactor (which keeps its own duplicate); returns the IListeningPort.
 
+    The connections it accepts are write-through transports from the start
+    (:func:`write_through`; the listener of :func:`listening_socket` gave them
+    TCP_NODELAY), so even a protocol's first write, such as the SOCKS5
+    method-selection reply, is sent at once.
+
     The factory's "Starting factory"/"Stopping factory" lines are switched off:
     whoever opens a listener logs one line for it, with its address and purpose.
     """
@@ -65,9 +76,14 @@ def adopt_listening_socket(reactor, sock: socket.socket, factory):
         quieted.noisy = False
         quieted = getattr(quieted, "wrappedFactory", None)
     try:
-        return reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
+        port = reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
     finally:
         sock.close()
+    if isinstance(port, tcp.Port):
+        # Twisted's Port builds each accepted connection with its ``transport`` class;
+        # nothing is accepted before the reactor runs again.
+        port.transport = _with_write_through(port.transport)
+    return port
 
 
 # Twisted's own line for each listening port it starts and closes; ztwisted logs its own, with the address.
@@ -126,22 +142,34 @@ def client_socket(
 
     With a source address but no port, the port is chosen at connect time
     (IP_BIND_ADDRESS_NO_PORT), so many connections from one workload address
-    do not make every bind search the port space.
+    do not make every bind search the port space. TCP_NODELAY is set here,
+    before the connect (a connected socket inherits it from no listener; see
+    :func:`write_through`).
     """
     family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    # Non-blocking from the start: no ioctl for setblocking(False).
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
     try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if mark is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
         if source_ip is not None:
             if not source_port:
                 sock.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)
             sock.bind((source_ip, source_port))
-        sock.setblocking(False)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _established(sock: socket.socket) -> bool:
+    """Whether a non-blocking connect in progress has already completed (one getpeername)."""
+    try:
+        sock.getpeername()
+    except OSError:
+        return False
+    return True
 
 
 class _ConnectWaiter:
@@ -203,24 +231,18 @@ class _ConnectWaiter:
             self.result.errback(Failure(error))
 
 
-class _CapturingFactory:
-    """Remembers the protocol built for an adopted connection (adoptStreamConnection returns nothing)."""
-
-    def __init__(self, factory: Any) -> None:
-        self.factory = factory
-        self.protocol: Any = None
-
-    def buildProtocol(self, addr: Any) -> Any:
-        self.protocol = self.factory.buildProtocol(addr)
-        return self.protocol
-
-
 def connect_socket(
     reactor: Any, sock: socket.socket, address: tuple[str, int], factory: Any, *, timeout: float = 10.0
 ) -> defer.Deferred[Any]:
-    """Connect a non-blocking ``sock`` without blocking, then adopt it: fires with the protocol.
+    """Connect a non-blocking ``sock`` without blocking, then run ``factory``'s protocol on it: fires with the protocol.
 
-    ``sock`` is closed in every case (the reactor holds its own duplicate).
+    The sockets come from :func:`client_socket`, made here or inside a pod's
+    network namespace on a short-lived thread (:mod:`ztwisted.netns`), bound
+    to a workload's address and marked: neither ``connectTCP`` nor a Twisted
+    endpoint can take such a socket. So the connect is waited for here (if
+    it has not already completed, as it has to an address of this host: then
+    the result comes at the end of this reactor iteration), and the transport (:class:`_ConnectedTransport`) is then built over this very
+    socket, which it owns from then on; on any failure ``sock`` is closed.
     """
     try:
         code = sock.connect_ex(address)
@@ -230,20 +252,26 @@ def connect_socket(
     if code not in (0, errno.EINPROGRESS, errno.EAGAIN, errno.EWOULDBLOCK):
         sock.close()
         return defer.fail(OSError(code, f"connect to {address[0]}:{address[1]} failed: {os.strerror(code)}"))
-    waiter = _ConnectWaiter(reactor, sock, address, timeout)
-    capture = _CapturingFactory(factory)
+    if code == 0 or _established(sock):
+        # To an address of this host (node-b to a local app, in a pod's namespace too) the
+        # handshake is over by the time connect() returns: no poll and no timer. The result
+        # still comes after the caller's current work, at the end of this reactor iteration,
+        # as a connect that waits would (callers act on the stream it is for; h2 may have
+        # more to say about that stream from the same read).
+        delayed = None
+        ready: defer.Deferred[None] = defer.Deferred(lambda _: delayed.cancel())
+        delayed = reactor.callLater(0, ready.callback, None)
+    else:
+        ready = _ConnectWaiter(reactor, sock, address, timeout).result
 
-    def adopt(_: None) -> Any:
-        reactor.adoptStreamConnection(sock.fileno(), sock.family, capture)
-        if capture.protocol is None:
-            raise RuntimeError(f"{factory!r} built no protocol for the connection to {address[0]}:{address[1]}")
-        return capture.protocol
+    def connected(_: None) -> Any:
+        return _ConnectedTransport.start(reactor, sock, address, factory).protocol
 
-    def close_socket(result: Any) -> Any:
+    def close_socket(failure: Failure) -> Failure:
         sock.close()
-        return result
+        return failure
 
-    return waiter.result.addCallback(adopt).addBoth(close_socket)
+    return ready.addCallbacks(connected, close_socket)
 
 
 #: bytes asked of the kernel per ``recv`` on a data-path socket. Twisted asks 64 KiB; the
@@ -296,15 +324,17 @@ class _WriteThrough:
             return main.CONNECTION_LOST
         return self._dataReceived(data)
 
-    def write(self, data: bytes) -> None:
+    def _nothing_queued(self) -> bool:
         # Twisted's queue: dataBuffer from offset on, then _tempDataBuffer (_tempDataLen bytes).
+        return not self._tempDataLen and self.offset == len(self.dataBuffer)
+
+    def write(self, data: bytes) -> None:
         if (
             self.connected
             and not self.disconnecting
             and not self._aborting  # an aborted connection drops what is written
             and not self._writeDisconnected
-            and not self._tempDataLen
-            and self.offset == len(self.dataBuffer)
+            and self._nothing_queued()
             and data
         ):
             sent = self.writeSomeData(data)
@@ -314,6 +344,30 @@ class _WriteThrough:
                 return
             data = data[sent:]
         super().write(data)
+
+    def loseWriteConnection(self) -> None:
+        # Twisted half-closes on the next poll for writability even with nothing to send
+        # (epoll_ctl, a poll, an empty send, epoll_ctl). With nothing queued and no
+        # producer to resume first, that is this: shutdown(SHUT_WR) and writeConnectionLost.
+        if (
+            self.connected
+            and not self.disconnecting
+            and not self._aborting
+            and not self._writeDisconnecting
+            and self.producer is None
+            and self._nothing_queued()
+        ):
+            self._writeDisconnecting = True
+            self._writeDisconnected = True
+            self._closeWriteConnection()
+            return
+        super().loseWriteConnection()
+
+    def _closeWriteConnection(self) -> None:
+        # The FIN goes out here, so the final close needs no shutdown(SHUT_RDWR) before it
+        # (Twisted's "just to be safe" for a socket another process holds; ours are close-on-exec).
+        self._shouldShutdown = False
+        super()._closeWriteConnection()
 
 
 @functools.cache
@@ -332,8 +386,11 @@ def write_through(transport) -> None:
     order of bytes cannot change by sending now; what the socket does not
     accept (EAGAIN, a partial send) goes to Twisted's queue as before, and so
     do writes to a transport that is closing or that has a queue, and errors
-    (Twisted's own write then reports them). Transports other than Twisted's
-    TCP connections are left alone.
+    (Twisted's own write then reports them). The same holds for the end of
+    the stream: ``loseWriteConnection`` with nothing queued (and no producer
+    registered) shuts the sending side down at once; with bytes queued, the
+    FIN follows them when Twisted has written them, as before. Transports
+    other than Twisted's TCP connections are left alone.
 
     Reads ask for :data:`READ_SIZE` bytes instead of Twisted's 64 KiB (see
     :func:`keep_read_buffers_in_the_heap`), and a write
@@ -348,11 +405,54 @@ def write_through(transport) -> None:
     The transport changes class (to a subclass adding :class:`_WriteThrough`)
     rather than getting a ``write`` attribute of its own: that costs no memory
     per connection, where a closure per transport added ~0.6 KiB to every
-    idle tunneled connection.
+    idle tunneled connection. The proxy's own connections are of such a class
+    from the start, with TCP_NODELAY set on their listener
+    (:func:`adopt_listening_socket`) or on the socket before it connected
+    (:func:`connect_socket`): for them this does nothing.
     """
     if isinstance(transport, tcp.Connection) and not isinstance(transport, _WriteThrough):
         transport.__class__ = _with_write_through(type(transport))
         transport.setTcpNoDelay(True)
+
+
+class _ConnectedTransport(_WriteThrough, tcp.Server):
+    """The write-through transport of a connection made by :func:`connect_socket`, over its own socket.
+
+    ``adoptStreamConnection``, Twisted's way to take over a connected socket,
+    builds a ``tcp.Server`` (this class's base) over a duplicate of the file
+    descriptor, which it asks for both addresses (``getsockname`` twice,
+    ``getpeername``), and the caller then closes the original: five system
+    calls per connection to learn what the caller knows. Here the transport
+    takes the socket itself, and the peer is the address it connected to.
+    """
+
+    @classmethod
+    def start(cls, reactor: Any, sock: socket.socket, address: tuple, factory: Any) -> _ConnectedTransport:
+        """Connect ``factory``'s protocol to a transport over the connected ``sock``, which it then owns.
+
+        If no protocol is built (None or an exception), ``sock`` is closed; if
+        the protocol fails in ``makeConnection``, the connection is aborted.
+        """
+        try:
+            if sock.family == socket.AF_INET6:
+                peer = (*address[:2], 0, 0) if len(address) == 2 else tuple(address)
+                protocol = factory.buildProtocol(IPv6Address("TCP", *peer))
+            else:
+                peer = tuple(address[:2])
+                protocol = factory.buildProtocol(IPv4Address("TCP", *peer))
+            if protocol is None:
+                raise RuntimeError(f"{factory!r} built no protocol for the connection to {_address(*peer[:2])}")
+        except BaseException:
+            sock.close()
+            raise
+        transport = cls(sock, protocol, peer, None, 0, reactor)
+        transport.repstr = f"<{type(protocol).__name__} to {_address(*peer[:2])}>"
+        try:
+            protocol.makeConnection(transport)
+        except BaseException:
+            transport.abortConnection()
+            raise
+        return transport
 
 
 class CannotListen(Exception):

@@ -408,3 +408,46 @@ def test_real_tcp_round_trip():
     assert received == SUCCESS + b"PING"
     assert requests[0].host == "localhost" and requests[0].port == 8080
     assert requests[0].source[0] == "127.0.0.1"
+
+
+class _CapturingSocks5Factory(Socks5Factory):
+    def __init__(self, connect_request) -> None:
+        super().__init__(connect_request)
+        self.built: defer.Deferred = defer.Deferred()
+
+    def buildProtocol(self, addr):
+        protocol = super().buildProtocol(addr)
+        reactor.callLater(0, self.built.callback, protocol)  # once Twisted has connected it to its transport
+        return protocol
+
+
+def _recv_now(sock: socket.socket, size: int) -> bytes:
+    """What the kernel already holds for ``sock``: no waiting, so no reactor turn in between."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(size)
+    except BlockingIOError:
+        return b""
+
+
+@pytest_twisted.inlineCallbacks
+def test_replies_are_sent_before_the_reactor_runs_again():
+    """Method selection and CONNECT replies go out at once (write-through), on any TCP listener."""
+    pending: defer.Deferred = defer.Deferred()
+    factory = _CapturingSocks5Factory(lambda request: pending)
+    port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # Twisted's own: not write-through by itself
+    client = socket.create_connection(("127.0.0.1", port.getHost().port), timeout=5)
+    try:
+        protocol = yield factory.built
+        # The bytes are handed to the protocol directly; its reply must already be in the kernel when it returns.
+        protocol.dataReceived(GREETING)
+        assert _recv_now(client, 100) == METHOD_OK
+        protocol.dataReceived(CONNECT_IPV4)
+        sink = RecordingSink()
+        pending.callback(sink)
+        assert _recv_now(client, 100) == SUCCESS
+        assert sink.transport is protocol.transport
+    finally:
+        client.close()
+        protocol.transport.abortConnection()
+        yield port.stopListening()

@@ -1,7 +1,8 @@
-"""ztwisted.sockets.write_through on real TCP connections of the running reactor."""
+"""Write-through TCP transports (ztwisted.sockets): write_through, the proxy's listeners, connect_socket; real sockets."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import socket
 import struct
@@ -10,8 +11,18 @@ import termios
 import pytest
 import pytest_twisted
 from twisted.internet import defer, protocol, reactor, threads
+from twisted.internet.interfaces import IHalfCloseableProtocol
+from zope.interface import implementer
 
-from ztwisted.sockets import READ_SIZE, write_through
+from ztwisted.sockets import (
+    READ_SIZE,
+    _ConnectWaiter,
+    adopt_listening_socket,
+    client_socket,
+    connect_socket,
+    listening_socket,
+    write_through,
+)
 
 from .h2_support import RecordingEnd
 
@@ -48,6 +59,17 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def _write_more_than_the_socket_takes(transport, client: socket.socket) -> bytes:
+    """Make ``transport`` write-through and write so much that part of it is queued; returns what it wrote."""
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    write_through(transport)
+    big = bytes(range(256)) * 1024  # 256 KiB: far more than the socket buffers hold
+    transport.write(big)
+    assert transport._tempDataLen > 0 or len(transport.dataBuffer) > transport.offset, "nothing was queued"
+    return big
+
+
 @pytest_twisted.inlineCallbacks
 def test_a_write_with_nothing_queued_is_sent_before_the_reactor_runs_again():
     transport, client = yield _connected_pair()
@@ -70,14 +92,9 @@ def test_what_the_socket_does_not_take_is_queued_and_order_is_kept_and_the_produ
 
     transport, client = yield _connected_pair()
     try:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        write_through(transport)
         producer = RecordingEnd()  # the partner end whose reads a full queue must stop
         transport.registerProducer(producer, True)
-        big = bytes(range(256)) * 1024  # 256 KiB: more than a read, far more than the socket buffers hold
-        transport.write(big)
-        assert transport._tempDataLen > 0 or len(transport.dataBuffer) > transport.offset, "nothing was queued"
+        big = _write_more_than_the_socket_takes(transport, client)
         assert producer.paused, "the queue grew past the transport's buffer size without pausing the producer"
         # With a queue, later writes join it instead of jumping ahead.
         transport.write(b"tail")
@@ -102,6 +119,250 @@ def test_other_transports_are_left_alone():
     assert transport.value() == b"x"
     assert type(transport) is StringTransport
     yield defer.succeed(None)
+
+
+@implementer(IHalfCloseableProtocol)
+class _HalfClosing(protocol.Protocol):
+    """Records writeConnectionLost (Twisted calls it once the FIN is sent)."""
+
+    write_closed = 0
+
+    @classmethod
+    def on(cls, transport) -> _HalfClosing:
+        """A new one as ``transport``'s protocol."""
+        protocol = cls()
+        protocol.makeConnection(transport)
+        transport.protocol = protocol
+        return protocol
+
+    def writeConnectionLost(self):
+        self.write_closed += 1
+
+    def readConnectionLost(self):
+        pass
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_half_close_with_nothing_queued_is_sent_before_the_reactor_runs_again():
+    transport, client = yield _connected_pair()
+    try:
+        halves = _HalfClosing.on(transport)
+        write_through(transport)
+        transport.write(b"last")
+        transport.loseWriteConnection()
+        # Data and FIN are already in the kernel: a recv sees both, no reactor turn in between.
+        client.setblocking(False)
+        assert client.recv(100) == b"last"
+        assert client.recv(100) == b""
+        assert halves.write_closed == 1
+        # The other direction still works.
+        client.sendall(b"x")
+    finally:
+        client.close()
+        transport.abortConnection()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_half_close_behind_queued_bytes_comes_after_all_of_them():
+    transport, client = yield _connected_pair()
+    try:
+        halves = _HalfClosing.on(transport)
+        big = _write_more_than_the_socket_takes(transport, client)
+        transport.loseWriteConnection()
+        assert halves.write_closed == 0, "the FIN must wait for the queued bytes"
+
+        def read_to_eof() -> bytes:
+            received = _read_exactly(client, len(big))
+            assert client.recv(100) == b"", "more than was written, or no FIN after it"
+            return received
+
+        received = yield threads.deferToThread(read_to_eof)
+        assert received == big
+        assert halves.write_closed == 1
+    finally:
+        client.close()
+        transport.abortConnection()
+
+
+def _nodelay(sock: socket.socket) -> bool:
+    return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+
+@pytest_twisted.inlineCallbacks
+def test_connections_accepted_by_the_proxys_listeners_write_through_with_nodelay_from_the_start():
+    factory = protocol.Factory.forProtocol(_Accepted)
+    factory.accepted = defer.Deferred()
+    listener = listening_socket("127.0.0.1", 0, reuse_port=False, backlog=4)
+    assert _nodelay(listener)
+    port = adopt_listening_socket(reactor, listener, factory)
+    client = socket.create_connection(("127.0.0.1", port.getHost().port), timeout=5)
+    try:
+        server = yield factory.accepted
+        transport = server.transport
+        # Inherited from the listener (Linux copies TCP_NODELAY to accepted sockets): no setsockopt per connection.
+        assert _nodelay(transport.getHandle())
+        kind = type(transport)
+        write_through(transport)  # nothing left to do
+        assert type(transport) is kind
+        transport.write(b"at once")
+        client.setblocking(False)
+        assert client.recv(100) == b"at once"
+    finally:
+        client.close()
+        yield port.stopListening()
+
+
+class _Received(protocol.Protocol):
+    def __init__(self):
+        self.data = b""
+
+    def dataReceived(self, data):
+        self.data += data
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_runs_the_transport_on_the_socket_it_was_given():
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    sock = client_socket("127.0.0.1")
+    assert _nodelay(sock), "set before the connect: a connected socket inherits it from no listener"
+    fd = sock.fileno()
+    try:
+        connecting = connect_socket(reactor, sock, address, protocol.Factory.forProtocol(_Received), timeout=5)
+        # To an address of this host the connect is complete at once: no poll for writability.
+        assert not [waiter for waiter in reactor.getWriters() if isinstance(waiter, _ConnectWaiter)]
+        made = yield connecting
+        transport = made.transport
+        # No duplicate of the file descriptor: the transport owns this very socket.
+        assert transport.getHandle() is sock and transport.fileno() == fd
+        assert (transport.getPeer().host, transport.getPeer().port) == address
+        assert transport.getHost().port == sock.getsockname()[1]
+        accepted, _ = listener.accept()
+        with accepted:
+            transport.write(b"hello")
+            accepted.setblocking(False)
+            assert accepted.recv(100) == b"hello"  # write-through: sent before the reactor runs again
+            accepted.sendall(b"back")
+            yield _until(lambda: made.data == b"back")
+            transport.loseConnection()
+            yield _until(lambda: not transport.connected)
+        assert sock.fileno() == -1, "the transport closes its socket"
+    finally:
+        listener.close()
+        sock.close()
+
+
+def _full_listener() -> tuple[socket.socket, socket.socket]:
+    """A listener whose accept queue is full (Linux then drops SYNs), and the client queued in it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    queued = socket.create_connection(listener.getsockname(), timeout=5)
+    return listener, queued
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_waits_for_a_connect_still_in_progress():
+    listener, queued = _full_listener()
+    sock = client_socket("127.0.0.1")
+    try:
+        connecting = connect_socket(
+            reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=10
+        )
+        assert not connecting.called, "the SYN was dropped: the connect is still in progress"
+        assert [waiter for waiter in reactor.getWriters() if isinstance(waiter, _ConnectWaiter)]
+        accepted, _ = listener.accept()  # room in the queue: the SYN sent again (after ~1 s) is answered
+        accepted.close()
+        made = yield connecting
+        assert made.transport.getHandle() is sock
+        made.transport.loseConnection()
+    finally:
+        queued.close()
+        listener.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_times_out_and_closes_the_socket():
+    listener, queued = _full_listener()
+    sock = client_socket("127.0.0.1")
+    try:
+        with pytest.raises(TimeoutError, match="timed out after 0.2 s"):
+            yield connect_socket(
+                reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=0.2
+            )
+        assert sock.fileno() == -1
+    finally:
+        queued.close()
+        listener.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_closes_the_socket_when_the_connect_fails():
+    probe = socket.create_server(("127.0.0.1", 0))
+    address = probe.getsockname()
+    probe.close()  # nothing listens there now
+    sock = client_socket("127.0.0.1")
+    with pytest.raises(OSError) as failed:
+        yield connect_socket(reactor, sock, address, protocol.Factory.forProtocol(_Received), timeout=5)
+    assert failed.value.errno == errno.ECONNREFUSED
+    assert sock.fileno() == -1
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_closes_the_socket_when_no_protocol_is_built():
+    listener = socket.create_server(("127.0.0.1", 0))
+    sock = client_socket("127.0.0.1")
+    try:
+        refusing = protocol.Factory()
+        refusing.buildProtocol = lambda addr: None
+        with pytest.raises(RuntimeError, match="built no protocol"):
+            yield connect_socket(reactor, sock, listener.getsockname(), refusing, timeout=5)
+        assert sock.fileno() == -1
+    finally:
+        listener.close()
+
+
+@defer.inlineCallbacks
+def _until(condition, timeout: float = 5.0):
+    from twisted.internet import task
+
+    waited = 0.0
+    while not condition():
+        assert waited < timeout, "condition not met in time"
+        yield task.deferLater(reactor, 0.01, lambda: None)
+        waited += 0.01
+
+
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_over_ipv6():
+    from twisted.internet.address import IPv6Address
+
+    listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    port = listener.getsockname()[1]
+    try:
+        made = yield connect_socket(
+            reactor, client_socket("::1"), ("::1", port), protocol.Factory.forProtocol(_Received), timeout=5
+        )
+        assert made.transport.getPeer() == IPv6Address("TCP", "::1", port)
+        made.transport.loseConnection()
+    finally:
+        listener.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_connect_cancelled_before_its_result_closes_the_socket():
+    listener = socket.create_server(("127.0.0.1", 0))
+    sock = client_socket("127.0.0.1")
+    try:
+        connecting = connect_socket(
+            reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=5
+        )
+        connecting.cancel()  # the caller went away before the end of this reactor iteration
+        with pytest.raises(defer.CancelledError):
+            yield connecting
+        assert sock.fileno() == -1
+    finally:
+        listener.close()
 
 
 def _unread_bytes(sock: socket.socket) -> int:

@@ -30,6 +30,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from ztwisted.sockets import write_through
+
 SOCKS_VERSION = 5
 METHOD_NO_AUTH = 0x00
 METHOD_NONE_ACCEPTABLE = 0xFF
@@ -226,6 +228,9 @@ class Socks5Protocol(Protocol):
     # -- Twisted protocol callbacks ---------------------------------------
 
     def connectionMade(self) -> None:
+        # The handshake's replies go out at once, as the relayed data later does
+        # (a no-op for the proxy's own listeners, whose connections write through from the start).
+        write_through(self.transport)
         peer = self.transport.getPeer()
         host, port = getattr(peer, "host", None), getattr(peer, "port", None)
         if host is not None and port is not None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from hyperframe.frame import Frame
+from twisted.internet.testing import StringTransport
 
 from ztwisted.h2.goaway import CLIENT_PREFACE
+from ztwisted.splice import TCPEnd
 
 
 class RecordingEnd:
@@ -36,6 +38,22 @@ class RecordingEnd:
 
     def stopProducing(self):
         pass
+
+
+class HalfCloseableTransport(StringTransport):
+    """A StringTransport that records a half-close."""
+
+    write_closed = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+
+def connected_end() -> TCPEnd:
+    """A :class:`TCPEnd` on a :class:`HalfCloseableTransport` (an app's TCP connection)."""
+    end = TCPEnd()
+    end.makeConnection(HalfCloseableTransport())
+    return end
 
 
 def couple(stream) -> RecordingEnd:

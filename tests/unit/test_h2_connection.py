@@ -27,7 +27,7 @@ from ztwisted.h2.goaway import (
 )
 from ztwisted.splice import TCPEnd, splice
 
-from .h2_support import RecordingEnd, accept_and_record, parse_frames
+from .h2_support import RecordingEnd, accept_and_record, connected_end, parse_frames
 
 
 class Pair:
@@ -330,17 +330,6 @@ def test_keepalive_abort_during_the_close_notify_wait_says_so():
     assert conn.ended_by == "keepalive-timeout"
 
 
-class _HalfCloseableTransport(StringTransport):
-    def loseWriteConnection(self) -> None:
-        self.write_closed = True
-
-
-def _app_end() -> TCPEnd:
-    end = TCPEnd()
-    end.makeConnection(_HalfCloseableTransport())
-    return end
-
-
 def _end_cleanly(end: TCPEnd) -> None:
     end.writeConnectionLost()
     end.connectionLost(Failure(ConnectionDone()))
@@ -360,14 +349,14 @@ def test_a_finished_tunnel_is_freed_at_once_not_by_the_cyclic_garbage_collector(
     server_apps = []
 
     def splice_to_app(stream):
-        server_apps.append(_app_end())
+        server_apps.append(connected_end())
         stream.accept()
         splice(stream, server_apps[-1])
 
     pair = Pair(handler=splice_to_app)
     opened = pair.client.open_tunnel("127.0.0.1:8080")
     pair.flush()
-    client_app = _app_end()
+    client_app = connected_end()
     spliced = []
     splice(client_app, opened.result).addCallback(spliced.append)
     client_app.dataReceived(b"hello")
@@ -391,7 +380,7 @@ def test_a_tunnel_no_longer_waited_for_is_reset_and_not_left_open_on_the_server(
     server_apps = []
 
     def splice_to_app(stream):  # as the inbound side does once the app connection is made
-        server_apps.append(_app_end())
+        server_apps.append(connected_end())
         stream.accept()
         splice(stream, server_apps[-1])
 

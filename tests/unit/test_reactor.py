@@ -86,20 +86,24 @@ def test_a_reason_returned_by_do_read_disconnects_the_descriptor(lean_reactor, p
     assert readable not in lean_reactor.getReaders()
 
 
-def test_an_exception_in_do_read_is_logged_and_disconnects_only_that_descriptor(lean_reactor, pairs, logged):
-    failing_end, failing_peer = pairs()
+def poll_a_failing_and_a_fine_descriptor(lean_reactor, pairs, failing: Readable) -> tuple[Readable, Readable]:
+    """One poll in which ``failing`` (given its socket here) and a plain reader are both ready."""
+    failing.sock, failing_peer = pairs()
     fine_end, fine_peer = pairs()
-
-    def fail(_):
-        raise ZeroDivisionError("handler bug")
-
-    failing = Readable(lean_reactor, failing_end, fail)
     fine = Readable(lean_reactor, fine_end, read_all)
     lean_reactor.addReader(failing)
     lean_reactor.addReader(fine)
     failing_peer.send(b"x")
     fine_peer.send(b"x")
     lean_reactor.doIteration(1)
+    return failing, fine
+
+
+def test_an_exception_in_do_read_is_logged_and_disconnects_only_that_descriptor(lean_reactor, pairs, logged):
+    def fail(_):
+        raise ZeroDivisionError("handler bug")
+
+    failing, fine = poll_a_failing_and_a_fine_descriptor(lean_reactor, pairs, Readable(lean_reactor, None, fail))
     assert [reason.type for reason in failing.lost] == [ZeroDivisionError]
     assert fine.reads == 1 and fine.lost == []
     # Twisted's own report, as a legacy log.err event (its "failure" key).
@@ -108,21 +112,13 @@ def test_an_exception_in_do_read_is_logged_and_disconnects_only_that_descriptor(
 
 def test_an_exception_from_connection_lost_is_logged_and_the_rest_of_the_poll_is_handled(lean_reactor, pairs, logged):
     # Twisted's _doReadOrWrite does not catch what connectionLost raises; callWithLogger did.
-    failing_end, failing_peer = pairs()
-    fine_end, fine_peer = pairs()
-
     class LostRaises(Readable):
         def connectionLost(self, reason) -> None:
             super().connectionLost(reason)
             raise ZeroDivisionError("bug in connectionLost")
 
-    failing = LostRaises(lean_reactor, failing_end, lambda r: (read_all(r), CONNECTION_DONE)[1])
-    fine = Readable(lean_reactor, fine_end, read_all)
-    lean_reactor.addReader(failing)
-    lean_reactor.addReader(fine)
-    failing_peer.send(b"x")
-    fine_peer.send(b"x")
-    lean_reactor.doIteration(1)
+    failing = LostRaises(lean_reactor, None, lambda r: (read_all(r), CONNECTION_DONE)[1])
+    failing, fine = poll_a_failing_and_a_fine_descriptor(lean_reactor, pairs, failing)
     assert fine.reads == 1
     assert any(
         event.get("log_failure") and event["log_failure"].check(ZeroDivisionError) and "LostRaises" in repr(event)

@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 from twisted.internet import error
-from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from ztwisted.splice import TCPEnd, splice
+from ztwisted.splice import splice
 
-
-class _HalfCloseableTransport(StringTransport):
-    write_closed = False
-
-    def loseWriteConnection(self) -> None:
-        self.write_closed = True
-
-
-def _connected_end() -> TCPEnd:
-    end = TCPEnd()
-    end.makeConnection(_HalfCloseableTransport())
-    return end
+from .h2_support import connected_end
 
 
 def test_outcomes_come_in_argument_order_whichever_end_finishes_first():
-    a, b = _connected_end(), _connected_end()
+    a, b = connected_end(), connected_end()
     outcomes = []
     splice(a, b).addCallback(outcomes.append)
     b.connectionLost(Failure(error.ConnectionDone()))  # b's peer left mid-stream: a is aborted
@@ -33,7 +21,7 @@ def test_outcomes_come_in_argument_order_whichever_end_finishes_first():
 
 
 def test_outcomes_of_a_clean_close_from_both_sides():
-    a, b = _connected_end(), _connected_end()
+    a, b = connected_end(), connected_end()
     outcomes = []
     splice(a, b).addCallback(outcomes.append)
     a.readConnectionLost()  # a's peer is done sending: b's write side is closed in turn
@@ -48,7 +36,7 @@ def test_outcomes_of_a_clean_close_from_both_sides():
 
 
 def test_each_ends_own_finished_keeps_its_outcome():
-    a, b = _connected_end(), _connected_end()
+    a, b = connected_end(), connected_end()
     splice(a, b)
     seen = []
     a.finished.addCallback(seen.append)
@@ -60,7 +48,7 @@ def test_each_ends_own_finished_keeps_its_outcome():
 
 def test_an_end_finished_before_it_was_coupled_gets_its_partner_aborted():
     # The inbound side's stream reset while the app connection was being made, say.
-    a, b = _connected_end(), _connected_end()
+    a, b = connected_end(), connected_end()
     a.connectionLost(Failure(error.ConnectionLost()))
     outcomes = []
     splice(a, b).addCallback(outcomes.append)

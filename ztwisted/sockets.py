@@ -147,7 +147,7 @@ def client_socket(
     :func:`write_through`).
     """
     family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
-    # Non-blocking from the start: no ioctl for setblocking(False).
+    # Non-blocking from the start (the connect below must not block).
     sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -334,6 +334,10 @@ class _WriteThrough:
             and not self.disconnecting
             and not self._aborting  # an aborted connection drops what is written
             and not self._writeDisconnected
+            # A half-close Twisted is still to make (a producer was registered) happens when
+            # its queue empties: what is written meanwhile must join that queue, or the FIN
+            # would never follow it.
+            and not self._writeDisconnecting
             and self._nothing_queued()
             and data
         ):
@@ -445,7 +449,11 @@ class _ConnectedTransport(_WriteThrough, tcp.Server):
         except BaseException:
             sock.close()
             raise
-        transport = cls(sock, protocol, peer, None, 0, reactor)
+        try:
+            transport = cls(sock, protocol, peer, None, 0, reactor)
+        except BaseException:  # startReading's epoll_ctl failing, say: the socket is still ours
+            sock.close()
+            raise
         transport.repstr = f"<{type(protocol).__name__} to {_address(*peer[:2])}>"
         try:
             protocol.makeConnection(transport)

@@ -23,12 +23,7 @@ from twisted.internet.interfaces import (
 )
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper
-from twisted.protocols.tls import (
-    BufferingTLSTransport,
-    TLSMemoryBIOFactory,
-    TLSMemoryBIOProtocol,
-    _AggregateSmallWrites,
-)
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -297,7 +292,15 @@ _RECORD_PLAINTEXT = 2**14
 #: bytes asked of the send BIO when the caller does not know how many are there (Twisted's size)
 _SEND_BIO_READ = 2**15
 #: writes at least this big are not held back for the end of the reactor turn (Twisted's limit)
-_AGGREGATED_BELOW = _AggregateSmallWrites.MAX_BUFFER_SIZE
+try:  # Twisted's private aggregator: its limit, or the value it has had since it exists
+    from twisted.protocols.tls import _AggregateSmallWrites
+
+    _AGGREGATED_BELOW = _AggregateSmallWrites.MAX_BUFFER_SIZE
+except (ImportError, AttributeError):  # pragma: no cover
+    _AGGREGATED_BELOW = 64_000
+#: False once the direct ``SSL_read`` path found this pyOpenSSL's internals not to fit (then
+#: every read goes through the public ``recv``); a list, to be set from inside the class
+_direct_read_works = [True]
 #: bytes asked of ``SSL_read``, which returns at most one record's plaintext (16 KiB) per call
 _RECORD_READ = 2**15
 
@@ -343,6 +346,9 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             self.write(bytes(data))
             return
         self._aggregator.flush()
+        if self._appSendBuffer:  # writes still held from before the handshake ended go first
+            self._bufferedWrite(bytes(data))
+            return
         TLSMemoryBIOProtocol.write(self, data)
 
     def _write(self, data: bytes) -> None:
@@ -418,7 +424,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         connection = self._tlsConnection
         ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
         raise_ssl_error = getattr(connection, "_raise_ssl_error", None)
-        if _no_zero_buffer is None or ssl is None or raise_ssl_error is None:
+        if _no_zero_buffer is None or ssl is None or raise_ssl_error is None or not _direct_read_works[0]:
             return self._decrypt_records_one_by_one()
         # What just arrived, and at most one record OpenSSL kept from an earlier read: the
         # plaintext cannot be longer (and if it were, the loop would start a second buffer).
@@ -430,7 +436,11 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         peer_closed = False
         failure = None
         while True:
-            result = _lib.SSL_read(ssl, buffer + filled, size - filled)
+            try:
+                result = _lib.SSL_read(ssl, buffer + filled, size - filled)
+            except TypeError:  # this pyOpenSSL's SSL* is not a cffi pointer: its public recv from now on
+                _direct_read_works[0] = False
+                return self._decrypt_records_one_by_one()
             if result > 0:
                 filled += result
                 if filled == size:
@@ -445,6 +455,13 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
                 peer_closed = True  # close_notify: TLS has shut down
             except SSL.Error:
                 failure = Failure()
+            except TypeError:  # this pyOpenSSL's error check takes other arguments: recv from now on
+                _direct_read_works[0] = False
+                if filled:
+                    pieces.append(_ffi.buffer(buffer, filled)[:])
+                    filled = 0
+                rest, peer_closed, failure = self._decrypt_records_one_by_one()
+                pieces.append(rest)
             break
         if filled:
             pieces.append(_ffi.buffer(buffer, filled)[:])

@@ -547,12 +547,29 @@ def _counting_link(server_cert, client_cert) -> tuple[Link, ChunkCountingPeer]:
     return link, counting
 
 
-@pytest.fixture(params=["into one buffer", "through pyOpenSSL's recv"])
+class _LibWhoseSslReadDoesNotFit:
+    """pyOpenSSL's bindings, except that ``SSL_read`` refuses what the direct path hands it."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def SSL_read(self, *args):
+        raise TypeError("initializer for ctype 'SSL *' must be a cdata pointer")
+
+
+@pytest.fixture(params=["into one buffer", "through pyOpenSSL's recv", "internals found not to fit"])
 def decrypting(request, monkeypatch):
-    """Both ways the TLS transport decrypts: straight into one buffer, and the fallback for a
-    pyOpenSSL without the internals it uses (one public ``recv`` per record)."""
-    if request.param != "into one buffer":
+    """Every way the TLS transport decrypts: straight into one buffer; the fallback for a
+    pyOpenSSL without the internals it uses (one public ``recv`` per record); and the switch
+    to that fallback when the internals are there but do not fit."""
+    monkeypatch.setattr(ztwisted.tls, "_direct_read_works", [True])
+    if request.param == "through pyOpenSSL's recv":
         monkeypatch.setattr(ztwisted.tls, "_no_zero_buffer", None)
+    elif request.param == "internals found not to fit":
+        monkeypatch.setattr(ztwisted.tls, "_lib", _LibWhoseSslReadDoesNotFit(ztwisted.tls._lib))
     return request.param
 
 

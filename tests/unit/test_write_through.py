@@ -456,3 +456,51 @@ def test_a_reads_buffers_stop_faulting_in_once_the_heap_keeps_them():
         pytest.skip("this C library has no mallopt")
     assert float(tuned) < 1, f"{tuned} minor page faults per read with the heap keeping freed memory"
     assert float(_minor_faults_per_read("default")) > 50, "glibc's defaults no longer fault (then this is moot)"
+
+
+class _WritesOnceMoreWhenResumed:
+    """A producer that writes once more when resumed, as a partner end may after a half-close was asked for."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self.resumed = 0
+
+    def pauseProducing(self):
+        pass
+
+    def resumeProducing(self):
+        self.resumed += 1
+        if self.resumed == 1:
+            self.transport.write(b"tail")
+
+    def stopProducing(self):
+        pass
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    sock.settimeout(10)
+    chunks = []
+    while chunk := sock.recv(1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_half_close_asked_for_with_a_producer_registered_comes_after_what_the_producer_writes_next():
+    # Twisted half-closes once its queue is empty, and resumes the producer first: a write
+    # the producer then makes must join the queue, or nothing sends the FIN after it.
+    transport, client = yield _connected_pair()
+    try:
+        write_through(transport)
+        producer = _WritesOnceMoreWhenResumed(transport)
+        transport.registerProducer(producer, True)
+        big = bytes(range(256)) * 32768  # 8 MiB: queued mostly, and the producer paused
+        transport.write(big)
+        assert transport.producerPaused
+        transport.loseWriteConnection()
+        received = yield threads.deferToThread(_read_to_eof, client)
+        assert producer.resumed >= 1
+        assert received == big + b"tail", "every byte, then the FIN"
+    finally:
+        client.close()
+        transport.abortConnection()

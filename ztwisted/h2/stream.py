@@ -218,10 +218,13 @@ class Stream:
             if len(chunk) <= window:
                 self._outbound.popleft()
             else:
-                self._outbound[0] = chunk[window:]
-                chunk = chunk[:window]
+                # Views, not slices: a 256 KiB read sent in 16 KiB frames would otherwise copy
+                # its rest again for every frame.
+                view = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
+                self._outbound[0] = view[window:]
+                chunk = view[:window]
             if not lean_data.send_data_frame(h2conn, self.stream_id, chunk):
-                h2conn.send_data(self.stream_id, chunk)
+                h2conn.send_data(self.stream_id, bytes(chunk))
             self._outbound_size -= len(chunk)
             self.bytes_sent += len(chunk)
         if self._outbound_size == 0 and self._eof_pending:

@@ -306,6 +306,29 @@ def keep_read_buffers_in_the_heap() -> bool:
     return mallopt(_M_MMAP_THRESHOLD, 2 * 1024 * 1024) == 1 and mallopt(_M_TRIM_THRESHOLD, 4 * 1024 * 1024) == 1
 
 
+#: how often a node that keeps read buffers in the heap gives freed memory back (seconds)
+GIVE_BACK_INTERVAL = 10.0
+
+
+def give_back_freed_memory() -> None:
+    """``malloc_trim(0)``: return the heap's free pages to the kernel, wherever they are.
+
+    What :func:`keep_read_buffers_in_the_heap` keeps for the next reads stays with the
+    process after a burst of bulk tunnels (measured: ~9 MB on a node after 16 concurrent
+    ones); the node calls this every :data:`GIVE_BACK_INTERVAL` seconds, which costs a
+    walk of the heap and, during a transfer, the reads of the next moment faulting their
+    pages in once more. Where the C library has no ``malloc_trim``, nothing happens.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+try:
+    _malloc_trim = ctypes.CDLL(None).malloc_trim
+except (OSError, AttributeError):  # pragma: no cover (not glibc)
+    _malloc_trim = None
+
+
 class _WriteThrough:
     """Mixed into a TCP transport's class by :func:`write_through`."""
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import attrs
 from twisted.application import service
+from twisted.application.internet import TimerService
 from twisted.internet import reactor as global_reactor
 from twisted.logger import FilteringLogObserver, ILogObserver, Logger, PredicateResult
 from twisted.python import usage
@@ -37,7 +38,14 @@ from ztwisted.network import HostNetwork
 from ztwisted.node import Node
 from ztwisted.readiness import Readiness
 from ztwisted.reconcile import MeshReconciler
-from ztwisted.sockets import CannotListen, allow_accept_queue_migration, is_port_noise, keep_read_buffers_in_the_heap
+from ztwisted.sockets import (
+    GIVE_BACK_INTERVAL,
+    CannotListen,
+    allow_accept_queue_migration,
+    give_back_freed_memory,
+    is_port_noise,
+    keep_read_buffers_in_the_heap,
+)
 from ztwisted.view import NodeView
 from ztwisted.workloads import LocalWorkloads
 from ztwisted.xds import settings as xds_settings
@@ -224,6 +232,7 @@ class ProxyService(service.MultiService):
         *,
         logs_to_stdout: bool = True,
         freeze_heap: Callable[[], None] = gc.freeze,
+        give_back_memory: Callable[[], None] = give_back_freed_memory,
     ):
         super().__init__()
         self.log_format = log_format
@@ -231,6 +240,7 @@ class ProxyService(service.MultiService):
         self.reactor = reactor
         self.proxy = proxy
         self._freeze_heap = freeze_heap
+        self._give_back_memory = give_back_memory
         self._is_the_process = False
         self._stopping = False
 
@@ -288,7 +298,11 @@ class ProxyService(service.MultiService):
                 parent.setComponent(ILogObserver, FilteringLogObserver(observer, [_without_port_noise]))
             if self.reactor is global_reactor:
                 _ExitWithoutTeardown(self.reactor)
-            keep_read_buffers_in_the_heap()
+            if keep_read_buffers_in_the_heap():
+                # What the heap keeps after a burst of bulk tunnels goes back to the kernel.
+                giving_back = TimerService(GIVE_BACK_INTERVAL, self._give_back_memory)
+                giving_back.clock = self.reactor
+                giving_back.setServiceParent(self)
         return super().setServiceParent(parent)
 
 

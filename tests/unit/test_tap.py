@@ -128,3 +128,28 @@ def test_the_proxy_twistd_runs_freezes_what_start_up_made_and_one_in_a_test_does
         root.startService()
         root.stopService()
         assert frozen == expected
+
+
+def test_the_proxy_twistd_runs_gives_freed_memory_back_every_interval():
+    from twisted.application import service
+
+    from ztwisted.sockets import GIVE_BACK_INTERVAL
+
+    clock = MemoryReactorClock()
+    given_back = []
+    root = tap.ProxyService(
+        "json", clock, freeze_heap=lambda: None, give_back_memory=lambda: given_back.append(clock.seconds())
+    )
+    root.setServiceParent(service.Application("ztunnel"))
+    root.startService()
+    clock.advance(GIVE_BACK_INTERVAL)
+    clock.advance(GIVE_BACK_INTERVAL)
+    root.stopService()
+    clock.advance(GIVE_BACK_INTERVAL)
+    assert given_back == [0, GIVE_BACK_INTERVAL, 2 * GIVE_BACK_INTERVAL]
+
+    in_a_test = tap.ProxyService("json", clock, freeze_heap=lambda: None, give_back_memory=lambda: given_back.append(0))
+    in_a_test.startService()
+    clock.advance(GIVE_BACK_INTERVAL)
+    in_a_test.stopService()
+    assert len(given_back) == 3, "only the service twistd runs"

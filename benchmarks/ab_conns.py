@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 import load
-from paths import MESH, Addresses, Apps, Ztwisted
+from paths import Addresses, Apps, Ztwisted
 from run import _fmt, cpu_seconds, warm_up
 
 from ztwisted.ca import CertificateAuthority
@@ -67,22 +67,8 @@ class _InstallPair(Ztwisted):
         super().__init__(addresses, workdir, state_dir)
         self.twistd = str(Path(python).with_name("twistd"))
 
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        config = self.workdir / "mesh.yaml"
-        config.write_text(MESH.format(client=self.addresses.client, app=self.addresses.app))
-        for name, ip in (("node-b", self.addresses.node_b), ("node-a", self.addresses.node_a)):
-            node = _InstallNode(
-                self.workdir / name,
-                name=name,
-                control_ip=ip,
-                config=config,
-                node=name,
-                state_dir=self.state_dir,
-                twistd=self.twistd,
-            )
-            self.nodes.append(node)
-            node.start()
+    def node_process(self, workdir: Path, **options) -> NodeProcess:
+        return _InstallNode(workdir, twistd=self.twistd, **options)
 
 
 def cpu_per_connection(pair: _InstallPair, seconds: float) -> dict[str, float]:

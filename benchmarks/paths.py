@@ -285,11 +285,15 @@ class Ztwisted(BenchPath):
         config = self.workdir / "mesh.yaml"
         config.write_text(MESH.format(client=self.addresses.client, app=self.addresses.app))
         for name, ip in (("node-b", self.addresses.node_b), ("node-a", self.addresses.node_a)):
-            node = NodeProcess(
+            node = self.node_process(
                 self.workdir / name, name=name, control_ip=ip, config=config, node=name, state_dir=self.state_dir
             )
             self.nodes.append(node)
             node.start()
+
+    def node_process(self, workdir: Path, **options) -> NodeProcess:
+        """One node of the pair (``ab_conns.py`` runs them with another install's ``twistd``)."""
+        return NodeProcess(workdir, **options)
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -254,7 +254,7 @@ def connect_socket(
         return defer.fail(OSError(code, f"connect to {address[0]}:{address[1]} failed: {os.strerror(code)}"))
     if code == 0 or _established(sock):
         # To an address of this host (node-b to a local app, in a pod's namespace too) the
-        # handshake is over by the time connect() returns: no poll and no timer. The result
+        # handshake is over by the time connect() returns: no poll and no connect timeout. The result
         # still comes after the caller's current work, at the end of this reactor iteration,
         # as a connect that waits would (callers act on the stream it is for; h2 may have
         # more to say about that stream from the same read).

@@ -298,9 +298,6 @@ try:  # Twisted's private aggregator: its limit, or the value it has had since i
     _AGGREGATED_BELOW = _AggregateSmallWrites.MAX_BUFFER_SIZE
 except (ImportError, AttributeError):  # pragma: no cover
     _AGGREGATED_BELOW = 64_000
-#: False once the direct ``SSL_read`` path found this pyOpenSSL's internals not to fit (then
-#: every read goes through the public ``recv``); a list, to be set from inside the class
-_direct_read_works = [True]
 #: bytes asked of ``SSL_read``, which returns at most one record's plaintext (16 KiB) per call
 _RECORD_READ = 2**15
 
@@ -319,6 +316,9 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
     call per record. Either way at most what one read or one write carries is held at once.
     """
 
+    #: False (for every connection) once the direct ``SSL_read`` path found this pyOpenSSL's
+    #: internals not to fit; then every read goes through the public ``recv``
+    decrypts_directly = True
     # While an abort runs: what it encrypts (a close_notify) is dropped, not sent.
     _dropping_output = False
     # Bytes the TCP read being handled brought.
@@ -424,7 +424,12 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         connection = self._tlsConnection
         ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
         raise_ssl_error = getattr(connection, "_raise_ssl_error", None)
-        if _no_zero_buffer is None or ssl is None or raise_ssl_error is None or not _direct_read_works[0]:
+        if (
+            _no_zero_buffer is None
+            or ssl is None
+            or raise_ssl_error is None
+            or not _WriteThroughTLSTransport.decrypts_directly
+        ):
             return self._decrypt_records_one_by_one()
         # What just arrived, and at most one record OpenSSL kept from an earlier read: the
         # plaintext cannot be longer (and if it were, the loop would start a second buffer).
@@ -439,7 +444,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             try:
                 result = _lib.SSL_read(ssl, buffer + filled, size - filled)
             except TypeError:  # this pyOpenSSL's SSL* is not a cffi pointer: its public recv from now on
-                _direct_read_works[0] = False
+                _WriteThroughTLSTransport.decrypts_directly = False
                 return self._decrypt_records_one_by_one()
             if result > 0:
                 filled += result
@@ -456,7 +461,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             except SSL.Error:
                 failure = Failure()
             except TypeError:  # this pyOpenSSL's error check takes other arguments: recv from now on
-                _direct_read_works[0] = False
+                _WriteThroughTLSTransport.decrypts_directly = False
                 if filled:
                     pieces.append(_ffi.buffer(buffer, filled)[:])
                     filled = 0

@@ -565,12 +565,14 @@ def decrypting(request, monkeypatch):
     """Every way the TLS transport decrypts: straight into one buffer; the fallback for a
     pyOpenSSL without the internals it uses (one public ``recv`` per record); and the switch
     to that fallback when the internals are there but do not fit."""
-    monkeypatch.setattr(ztwisted.tls, "_direct_read_works", [True])
+    monkeypatch.setattr(ztwisted.tls._WriteThroughTLSTransport, "decrypts_directly", True)
     if request.param == "through pyOpenSSL's recv":
         monkeypatch.setattr(ztwisted.tls, "_no_zero_buffer", None)
     elif request.param == "internals found not to fit":
         monkeypatch.setattr(ztwisted.tls, "_lib", _LibWhoseSslReadDoesNotFit(ztwisted.tls._lib))
-    return request.param
+    yield request.param
+    if request.param == "internals found not to fit":
+        assert not ztwisted.tls._WriteThroughTLSTransport.decrypts_directly, "the switch to recv was made"
 
 
 def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, client_cert, decrypting):

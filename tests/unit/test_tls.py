@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import attr
 import pytest
 import pytest_twisted
@@ -560,7 +562,20 @@ class _LibWhoseSslReadDoesNotFit:
         raise TypeError("initializer for ctype 'SSL *' must be a cdata pointer")
 
 
-@pytest.fixture(params=["into one buffer", "through pyOpenSSL's recv", "internals found not to fit"])
+def _error_check_unfit_in_the_direct_path(original):
+    """pyOpenSSL's error check, refusing (as one taking other arguments would) the direct path's call."""
+
+    def error_check(self, ssl, result):
+        if sys._getframe(1).f_code.co_name == "_decrypt_records":
+            raise TypeError("_raise_ssl_error() takes other arguments")
+        return original(self, ssl, result)
+
+    return error_check
+
+
+@pytest.fixture(
+    params=["into one buffer", "through pyOpenSSL's recv", "internals found not to fit", "error check found not to fit"]
+)
 def decrypting(request, monkeypatch):
     """Every way the TLS transport decrypts: straight into one buffer; the fallback for a
     pyOpenSSL without the internals it uses (one public ``recv`` per record); and the switch
@@ -570,8 +585,12 @@ def decrypting(request, monkeypatch):
         monkeypatch.setattr(ztwisted.tls, "_no_zero_buffer", None)
     elif request.param == "internals found not to fit":
         monkeypatch.setattr(ztwisted.tls, "_lib", _LibWhoseSslReadDoesNotFit(ztwisted.tls._lib))
+    elif request.param == "error check found not to fit":
+        monkeypatch.setattr(
+            SSL.Connection, "_raise_ssl_error", _error_check_unfit_in_the_direct_path(SSL.Connection._raise_ssl_error)
+        )
     yield request.param
-    if request.param == "internals found not to fit":
+    if request.param.endswith("found not to fit"):
         assert not ztwisted.tls._WriteThroughTLSTransport.decrypts_directly, "the switch to recv was made"
 
 

@@ -322,6 +322,24 @@ def test_connect_socket_closes_the_socket_when_no_protocol_is_built():
         listener.close()
 
 
+@pytest_twisted.inlineCallbacks
+def test_connect_socket_closes_the_socket_when_its_transport_cannot_be_built(monkeypatch):
+    from ztwisted.sockets import _ConnectedTransport
+
+    def no_room_in_epoll(self):
+        raise OSError(errno.ENOSPC, "epoll_ctl: no space left")
+
+    monkeypatch.setattr(_ConnectedTransport, "startReading", no_room_in_epoll)
+    listener = socket.create_server(("127.0.0.1", 0))
+    sock = client_socket("127.0.0.1")
+    try:
+        with pytest.raises(OSError, match="no space left"):
+            yield connect_socket(reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(protocol.Protocol))
+        assert sock.fileno() == -1
+    finally:
+        listener.close()
+
+
 @defer.inlineCallbacks
 def _until(condition, timeout: float = 5.0):
     from twisted.internet import task

@@ -26,6 +26,12 @@ writes. :class:`AfterEventsClock` turns that ``callLater(0)`` into an
 after-events call: the same moment (once every ready socket of the poll
 was handled, before the reactor waits again) without the timed call.
 
+And its loop (:meth:`LeanEPollReactor.mainLoop`) does the upkeep of the timed
+calls only in the turns that have some: Twisted's runs the due timed calls
+and computes the poll's timeout in every turn, ~8 Python calls (twice the
+insertion of new timed calls, a failure handler's ``__enter__``/``__exit__``)
+although most turns of a busy proxy have no timed call due and none new.
+
 It is installed by ``twistd ztunnel`` when no reactor was chosen (see
 :func:`install_unless_chosen`); ``twistd --reactor=NAME ztunnel`` still
 picks any other, and ``twistd --reactor=ztwisted-epoll`` names this one.
@@ -45,8 +51,9 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 log = Logger()
-# As Twisted's timed calls: any exception is logged, and the other calls are still made.
-_after_events_failure = log.failureHandler("while making an after-events call")
+
+#: the longest poll timeout (s): what epoll_wait takes in milliseconds in a C int (Twisted's bound)
+_LONGEST_WAIT = 2147483
 
 
 class AfterEventsCall:
@@ -81,6 +88,39 @@ class LeanEPollReactor(EPollReactor):
         self._after_events.append(call)
         return call
 
+    def mainLoop(self) -> None:
+        """Twisted's ``mainLoop``, calling ``runUntilCurrent`` and ``timeout`` only in the turns
+        that have work for them (see the module's docstring).
+
+        ``runUntilCurrent`` runs when a timed call is due (the earliest on Twisted's heap; one
+        pushed back by ``reset`` is moved there), when timed calls were added since the last
+        turn (it puts them on the heap), when another thread handed over calls, and when the
+        reactor was just stopped (it fires the shutdown). Otherwise the timeout is the time
+        until the earliest timed call, as ``timeout`` computes it.
+        """
+        while self._started:
+            try:
+                while self._started:
+                    now = self.seconds()
+                    pending = self._pendingTimedCalls
+                    if (
+                        self._newTimedCalls
+                        or self.threadCallQueue
+                        or self._justStopped
+                        or (pending and pending[0].time <= now)
+                    ):
+                        self.runUntilCurrent()
+                        timeout = self.timeout()
+                    elif pending:
+                        timeout = min(_LONGEST_WAIT, pending[0].time - now)
+                    else:
+                        timeout = None
+                    self.doIteration(timeout if self.running else 0)
+            except BaseException:
+                # As Twisted's loop: logged, and the loop goes on (while the reactor runs).
+                log.failure("Unexpected error in main loop")
+        log.info("Main loop terminated.")
+
     def doIteration(self, timeout: float | None) -> None:
         if self._after_events:  # asked for by timed calls: not after a wait of up to `timeout`
             self._run_after_events()
@@ -112,8 +152,11 @@ class LeanEPollReactor(EPollReactor):
         calls, self._after_events = self._after_events, []
         for call in calls:
             if not call.cancelled:
-                with _after_events_failure:
+                # As Twisted's timed calls: any exception is logged, and the other calls are still made.
+                try:
                     call.function()
+                except BaseException:
+                    log.failure("while making an after-events call")
 
 
 @implementer(IReactorTime)

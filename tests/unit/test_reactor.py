@@ -278,3 +278,91 @@ def test_install_unless_chosen_leaves_an_installed_reactor_alone():
     from twisted.internet import reactor as after
 
     assert after is reactor and not isinstance(reactor, LeanEPollReactor)
+
+
+def run_turns(reactor, now: list[float], turns: int, fail_on_turn: int | None = None):
+    """Run ``reactor``'s own loop for ``turns`` turns on a fake clock; each poll "waits" its whole
+    timeout. Returns the timeouts the polls got and the turns in which ``runUntilCurrent`` ran."""
+    timeouts: list[float | None] = []
+    upkeep: list[int] = []
+    run_until_current = reactor.runUntilCurrent
+
+    def counted() -> None:
+        upkeep.append(len(timeouts) + 1)
+        run_until_current()
+
+    def poll(timeout) -> None:
+        timeouts.append(timeout)
+        now[0] += timeout or 0
+        if len(timeouts) == turns:
+            reactor._started = False
+        if len(timeouts) == fail_on_turn:
+            raise ZeroDivisionError("bug in a poll")
+
+    reactor.seconds = lambda: now[0]
+    reactor.runUntilCurrent = counted
+    reactor.doIteration = poll
+    reactor._started = reactor.running = True
+    reactor.mainLoop()
+    return timeouts, upkeep
+
+
+def test_the_loop_runs_timed_calls_when_due_and_polls_until_the_next_one(lean_reactor):
+    now = [100.0]
+    lean_reactor.seconds = lambda: now[0]
+    made = []
+    pushed_back = lean_reactor.callLater(3, lambda: made.append(("pushed back to 105", now[0])))
+    lean_reactor.callLater(1, lambda: pushed_back.reset(4))  # at 101: Twisted moves it when 103 comes
+    lean_reactor.callLater(6, lambda: made.append(("106", now[0])))
+    timeouts, upkeep = run_turns(lean_reactor, now, turns=6)
+    assert made == [("pushed back to 105", 105.0), ("106", 106.0)]
+    # at 100 the new calls go onto the heap; 101: the reset; 103: the call moved; 105, 106: due.
+    assert timeouts == [1, 2, 2, 1, None, None]
+    assert upkeep == [1, 2, 3, 4, 5], "a turn with no timed call due and none new does no upkeep"
+
+
+def test_the_loop_polls_without_upkeep_until_a_timed_call_is_due(lean_reactor):
+    now = [100.0]
+    lean_reactor.seconds = lambda: now[0]
+    made = []
+    lean_reactor.callLater(10, lambda: made.append(now[0]))
+    polls = []
+
+    def short_poll(timeout) -> None:  # events come every 2 s
+        polls.append(timeout)
+        now[0] += 2
+        if len(polls) == 6:
+            lean_reactor._started = False
+
+    lean_reactor.doIteration = short_poll
+    upkeep = []
+    run_until_current = lean_reactor.runUntilCurrent
+    lean_reactor.runUntilCurrent = lambda: (upkeep.append(len(polls) + 1), run_until_current())
+    lean_reactor._started = lean_reactor.running = True
+    lean_reactor.mainLoop()
+    assert polls == [10, 8, 6, 4, 2, None]
+    assert made == [110.0]
+    assert upkeep == [1, 6]
+
+
+def test_calls_from_other_threads_and_the_stop_are_handled_in_the_next_turn(lean_reactor):
+    now = [100.0]
+    made = []
+    lean_reactor.threadCallQueue.append((made.append, ("from a thread",), {}))
+    timeouts, upkeep = run_turns(lean_reactor, now, turns=2)
+    assert made == ["from a thread"] and upkeep == [1]
+
+
+def test_an_exception_in_the_loop_is_logged_and_the_loop_goes_on(lean_reactor, logged):
+    now = [100.0]
+    timeouts, _ = run_turns(lean_reactor, now, turns=3, fail_on_turn=1)
+    assert len(timeouts) == 3
+    assert any(event.get("log_failure") and event["log_failure"].check(ZeroDivisionError) for event in logged)
+
+
+def test_the_reactor_stops_through_its_own_loop(lean_reactor):
+    made = []
+    lean_reactor.callLater(0, lambda: (made.append("ran"), lean_reactor.stop()))
+    lean_reactor.addSystemEventTrigger("after", "shutdown", lambda: made.append("shut down"))
+    assert not run_until_stopped(lean_reactor)
+    assert made == ["ran", "shut down"]

@@ -454,6 +454,47 @@ def test_received_frames_postpone_the_keepalive_ping():
     assert kinds(link.from_ours()) == [("PING",)]
 
 
+def test_frames_that_keep_coming_keep_the_keepalive_quiet_on_one_timer():
+    # Reads only note the time; the one KEEPALIVE timer, firing, waits for the rest of the interval.
+    link = Link(client=True, settings=H2Settings.client(keepalive_interval=10, keepalive_timeout=20))
+    timers_before = len(link.clock.getDelayedCalls())
+    for _ in range(10):  # 60 s, a frame every 6 s
+        link.clock.advance(6)
+        link.peer.ping(b"peerping")
+        assert ("PING",) not in kinds(link.settle())
+        assert len(link.clock.getDelayedCalls()) == timers_before
+    link.clock.advance(9.9)
+    assert link.from_ours() == []
+    link.clock.advance(0.1)
+    assert kinds(link.from_ours()) == [("PING",)], "10 s after the last frame"
+
+
+def test_after_an_answered_ping_the_next_comes_an_interval_after_the_answer():
+    link = Link(client=True, settings=H2Settings.client(keepalive_interval=10, keepalive_timeout=20))
+    link.clock.advance(10)
+    assert kinds(link.from_ours()) == [("PING",)]
+    link.clock.advance(3)
+    link.to_ours()  # the ACK, 3 s late
+    link.clock.advance(9.9)
+    assert link.from_ours() == []
+    link.clock.advance(0.1)
+    assert kinds(link.from_ours()) == [("PING",)]
+    assert link.transport.calls == []
+
+
+def test_a_quiet_peer_gets_one_ping_and_then_the_timeout():
+    # The KEEPALIVE timer still fires while a PING waits for its answer: it sends no second one.
+    link = Link(client=True, settings=H2Settings.client(keepalive_interval=10, keepalive_timeout=25))
+    link.clock.advance(10)
+    assert kinds(link.from_ours()) == [("PING",)]
+    link.peer.data_to_send()  # the peer is frozen
+    link.clock.advance(20)
+    assert link.from_ours() == [] and link.transport.calls == []
+    link.clock.advance(5)
+    assert link.transport.calls == ["abortConnection"]
+    assert link.conn.ended_by == "keepalive-timeout"
+
+
 def test_keepalive_timeout_aborts_and_resets_the_streams():
     link = Link(client=True, settings=H2Settings.client(keepalive_interval=10, keepalive_timeout=20))
     stream = link.ours_open_tunnel()

@@ -97,9 +97,9 @@ def test_timers_keep_one_call_per_name_and_cancel_all():
     fired = []
     timers.start(Timer.IDLE, 5, lambda: fired.append("first"))
     timers.start(Timer.IDLE, 10, lambda: fired.append("second"))
-    timers.restart(Timer.KEEPALIVE, 3, lambda: fired.append("keepalive"))
+    timers.start(Timer.KEEPALIVE, 3, lambda: fired.append("keepalive"))
     clock.advance(2)
-    timers.restart(Timer.KEEPALIVE, 3, lambda: fired.append("keepalive"))
+    timers.start(Timer.KEEPALIVE, 3, lambda: fired.append("keepalive"))
     clock.advance(2)
     assert fired == [] and timers.due(Timer.IDLE) == 10
     timers.cancel_all()

@@ -177,7 +177,7 @@ class HBONEConnection(Protocol):
         self.h2.increment_flow_control_window(s.connection_window - 65535)
         self.send_pending()
         self.transport.registerProducer(self, True)
-        self.keepalive.heard_from_peer()
+        self.keepalive.start()
         self.timers.start(Timer.HANDSHAKE, s.handshake_timeout, self._handshake_timed_out)
 
     def handshakeCompleted(self) -> None:

@@ -178,8 +178,7 @@ class Lifecycle:
 class Timer:
     """Every timer of a connection, each with its one owner (who starts it and whom it calls).
 
-    Plain strings rather than an enum: the keepalive timer is pushed back on
-    every read, and an enum member's hash is a Python call."""
+    Plain strings rather than an enum: an enum member's hash is a Python call."""
 
     HANDSHAKE = "handshake"  # HBONEConnection: a TLS handshake that does not finish
     IDLE = "idle"  # HBONEConnection: a server connection that opens no stream
@@ -201,14 +200,6 @@ class Timers:
         """Run ``call`` in ``seconds``, replacing what ``timer`` was set to."""
         self.cancel(timer)
         self._calls[timer] = self.clock.callLater(seconds, call)
-
-    def restart(self, timer: str, seconds: float, call: Callable[[], None]) -> None:
-        """Push an active ``timer`` back to ``seconds`` from now, or start it."""
-        delayed = self._calls.get(timer)
-        if delayed is not None and delayed.active():
-            delayed.reset(seconds)
-        else:
-            self._calls[timer] = self.clock.callLater(seconds, call)
 
     def active(self, timer: str) -> bool:
         delayed = self._calls.get(timer)

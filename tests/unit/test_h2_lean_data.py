@@ -354,3 +354,48 @@ def test_empty_frames_in_a_row_are_a_flood():
     filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     with pytest.raises(EmptyFramesFlood):
         filt.segments(HeadersFrame(3).serialize() + ContinuationFrame(3).serialize())
+
+
+def window_counts(server: Server) -> tuple:
+    """What h2 keeps of the inbound windows: the connection's, and stream 1's while h2 holds it."""
+    managers = [server.h2._inbound_flow_control_window_manager]
+    if 1 in server.h2.streams:
+        managers.append(server.h2.streams[1]._inbound_window_manager)
+    return tuple((m.current_window_size, m.max_window_size, m._bytes_processed) for m in managers)
+
+
+def test_acknowledged_data_gives_the_same_windows_and_window_updates_as_h2():
+    # Both windows emptied (65,535 bytes), then taken back in steps of 500 bytes: h2 sends a
+    # WINDOW_UPDATE after 1,024 bytes of an empty window, then after half a window; the stream
+    # is then reset, after which only the connection's window is reopened.
+    frames = data(b"x" * 16384) * 3 + data(b"x" * 16383)
+    plain, lean = Server(lean=False), Server(lean=True)
+    for server in (plain, lean):
+        server.feed(frames)
+        server.h2.data_to_send()
+    assert window_counts(lean) == window_counts(plain) == ((0, 65535, 0), (0, 65535, 0))
+    taken = left_to_h2 = 0
+    for step in range(131):
+        if step == 100:
+            for server in (plain, lean):
+                server.h2.reset_stream(1)
+            assert lean.h2.data_to_send() == plain.h2.data_to_send()
+        plain.h2.acknowledge_received_data(500, 1)
+        if lean_data.acknowledge_received_data(lean.h2, 500, 1):
+            taken += 1
+        else:
+            left_to_h2 += 1
+            lean.h2.acknowledge_received_data(500, 1)
+        assert lean.h2.data_to_send() == plain.h2.data_to_send(), f"step {step}"
+        assert window_counts(lean) == window_counts(plain), f"step {step}"
+    assert taken > 90 and left_to_h2 > 30  # the reset stream: every acknowledgement is h2's
+
+
+def test_acknowledgements_h2_must_check_are_left_to_it():
+    server = Server(lean=True)
+    server.feed(data(b"x" * 100))
+    assert not lean_data.acknowledge_received_data(server.h2, 100, 3)  # a stream h2 does not hold
+    assert not lean_data.acknowledge_received_data(server.h2, -1, 1)  # h2 refuses it
+    with pytest.raises(ValueError):
+        server.h2.acknowledge_received_data(-1, 1)
+    assert lean_data.acknowledge_received_data(server.h2, 100, 1)

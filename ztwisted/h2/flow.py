@@ -16,6 +16,7 @@ import attrs
 import h2.connection
 import h2.exceptions
 
+from ztwisted.h2 import lean_data
 from ztwisted.h2.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class FlowControl:
         """Reopen the windows by ``size`` bytes ``stream``'s partner took."""
         if not self.lifecycle.connected_now or stream.done:
             return
+        if lean_data.acknowledge_received_data(self.h2, size, stream.stream_id):
+            return  # no WINDOW_UPDATE due: nothing to send
         try:
             self.h2.acknowledge_received_data(size, stream.stream_id)
         except h2.exceptions.StreamClosedError:

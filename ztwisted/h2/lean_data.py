@@ -27,6 +27,13 @@ before the response, a connection ``h2`` considers closed) returns None, and the
 to ``h2`` unchanged, which checks and answers it as it always did. The result
 is ``h2``'s own ``DataReceived`` event, so one handler serves both paths.
 
+Acknowledged (:func:`acknowledge_received_data`): the bytes a stream's
+partner took are handed back to both inbound windows as
+``h2.acknowledge_received_data`` does, when neither window is due for a
+WINDOW_UPDATE (h2 sends one once half a window was taken back): then h2
+only adds them to each window's count, which is all this does. When an
+update is due, or the stream is not open, the caller uses h2's.
+
 Sent (:func:`send_data_frame`): a frame without padding or END_STREAM, on an
 open connection and a stream ``h2`` holds in a state that sends DATA, within
 the maximum frame size and both outbound windows: the windows are consumed
@@ -57,10 +64,14 @@ import h2.stream
 
 from ztwisted.h2.goaway import DATA_FRAME_TYPE, FRAME_HEADER_LENGTH, MAX_STREAM_ID
 
-#: the states in which h2 takes a DATA frame without changing state
-_CONNECTION_OPEN = frozenset({h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN})
+#: the states in which h2 takes a DATA frame without changing state (a connection's state is an
+#: Enum, whose hash is a Python call: compared by identity)
+_CLIENT_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
+_SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
 _STREAM_RECEIVES_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 _STREAM_SENDS_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE})
+#: the states of a stream h2 counts as open, whose windows it reopens (``H2Stream.open``)
+_STREAM_OPEN = _STREAM_RECEIVES_DATA | _STREAM_SENDS_DATA
 
 #: what this module reads or calls in h2 beyond its public API
 H2_INTERNALS = (
@@ -74,6 +85,7 @@ H2_INTERNALS = (
     "H2Stream.state_machine.headers_received",
     "H2Stream._inbound_window_manager.window_consumed",
     "H2Stream._track_content_length",
+    "WindowManager._bytes_processed",
 )
 
 
@@ -101,6 +113,7 @@ def _h2_has_the_internals() -> bool:
         and isinstance(getattr(probe, "_data_to_send", None), bytearray)
         and hasattr(h2.stream.H2Stream, "_track_content_length")
         and hasattr(h2.stream.H2StreamStateMachine(1), "headers_received")
+        and hasattr(probe._inbound_flow_control_window_manager, "_bytes_processed")
     )
 
 
@@ -130,7 +143,10 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
     overruns a window, after ``h2`` queued its GOAWAY, as ``receive_data`` does.
     """
     length = len(frame) - FRAME_HEADER_LENGTH
-    if length > h2conn.max_inbound_frame_size or h2conn.state_machine.state not in _CONNECTION_OPEN:
+    connection_state = h2conn.state_machine.state
+    if length > h2conn.max_inbound_frame_size or (
+        connection_state is not _CLIENT_OPEN and connection_state is not _SERVER_OPEN
+    ):
         return None
     buffered = h2conn.incoming_buffer
     if buffered._data or buffered._headers_buffer:
@@ -163,8 +179,13 @@ def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: by
     (open, or half-closed by the peer), and within the maximum frame size and both
     outbound windows, which are consumed as ``h2`` consumes them.
     """
+    if not ENABLED:
+        return False
     size = len(data)
-    if not ENABLED or size > h2conn.max_outbound_frame_size or h2conn.state_machine.state not in _CONNECTION_OPEN:
+    connection_state = h2conn.state_machine.state
+    if size > h2conn.max_outbound_frame_size or (
+        connection_state is not _CLIENT_OPEN and connection_state is not _SERVER_OPEN
+    ):
         return False
     stream = h2conn.streams.get(stream_id)
     if stream is None or stream.state_machine.state not in _STREAM_SENDS_DATA:
@@ -176,6 +197,35 @@ def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: by
     h2conn._data_to_send += size.to_bytes(3, "big") + _DATA_NO_FLAGS + stream_id.to_bytes(4, "big")
     h2conn._data_to_send += data
     return True
+
+
+def acknowledge_received_data(h2conn: h2.connection.H2Connection, size: int, stream_id: int) -> bool:
+    """Hand ``size`` bytes received on ``stream_id`` back to the inbound windows exactly as
+    ``h2.acknowledge_received_data`` would, when that sends nothing; or return False: then the
+    caller must call ``h2.acknowledge_received_data`` (a WINDOW_UPDATE is due, or the stream is
+    not open).
+    """
+    if not ENABLED or size < 0:
+        return False
+    stream = h2conn.streams.get(stream_id)
+    if stream is None or stream.state_machine.state not in _STREAM_OPEN:
+        return False
+    connection_window = h2conn._inbound_flow_control_window_manager
+    stream_window = stream._inbound_window_manager
+    if _update_due(connection_window, size) or _update_due(stream_window, size):
+        return False
+    connection_window._bytes_processed += size
+    stream_window._bytes_processed += size
+    return True
+
+
+def _update_due(window, size: int) -> bool:
+    """Whether h2's window manager (``WindowManager._maybe_update_window``) asks for a
+    WINDOW_UPDATE once ``size`` more bytes were processed."""
+    processed = window._bytes_processed + size
+    return processed >= window.max_window_size // 2 or (
+        window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4)
+    )
 
 
 def take_data_to_send(h2conn: h2.connection.H2Connection) -> bytes | bytearray:

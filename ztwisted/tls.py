@@ -22,7 +22,6 @@ from twisted.internet.interfaces import (
     IReactorTime,
 )
 from twisted.logger import Logger
-from twisted.protocols.policies import ProtocolWrapper
 from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -314,11 +313,21 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
     Received, OpenSSL returns one record's plaintext per ``SSL_read``; the records one TCP read
     brought are delivered to the protocol together, in one ``dataReceived`` call, instead of one
     call per record. Either way at most what one read or one write carries is held at once.
+
+    Once the handshake is done, OpenSSL is called directly (through pyOpenSSL's own bindings)
+    for the memory BIOs and ``SSL_write``, as for ``SSL_read``: pyOpenSSL's methods check their
+    arguments, look for errors its handshake callbacks stored and ask OpenSSL for an error
+    after every call, and an empty send BIO is a raised ``WantReadError``, ~15 Python calls per
+    message and node. Here errors are looked at only when OpenSSL reports one, and the send BIO
+    only when it holds something. Without those internals, pyOpenSSL's public methods do it all.
     """
 
     #: False (for every connection) once the direct ``SSL_read`` path found this pyOpenSSL's
     #: internals not to fit; then every read goes through the public ``recv``
     decrypts_directly = True
+    #: the same for ``SSL_write`` and the memory BIOs: then pyOpenSSL's ``send``, ``bio_write``
+    #: and ``bio_read`` (also without pyOpenSSL's bindings at all)
+    encrypts_directly = _ffi is not None
     # While an abort runs: what it encrypts (a close_notify) is dropped, not sent.
     _dropping_output = False
     # Bytes the TCP read being handled brought.
@@ -359,7 +368,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         written = 0
         try:
             while written < len(data):
-                written += self._tlsConnection.send(memoryview(data)[written:] if written else data)
+                written += self._encrypt(memoryview(data)[written:] if written else data)
         except SSL.WantReadError:
             # Renegotiation-like states (never with TLS 1.3 in practice): retried with the same
             # bytes once the peer's answer arrived, as Twisted does.
@@ -371,13 +380,45 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             return
         self._flush_send_bio(written)
 
+    def _encrypt(self, data) -> int:
+        """One ``SSL_write`` of ``data``; raises pyOpenSSL's errors, as its ``send`` does."""
+        connection = self._tlsConnection
+        ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
+        raise_ssl_error = getattr(connection, "_raise_ssl_error", None)
+        # During the handshake pyOpenSSL's send also reports what its callbacks (certificate
+        # verification, ALPN) raised: it stays with pyOpenSSL.
+        if not (self._handshakeDone and _WriteThroughTLSTransport.encrypts_directly) or raise_ssl_error is None:
+            return connection.send(data)
+        try:
+            result = _lib.SSL_write(ssl, _ffi.from_buffer(data), len(data))
+        except TypeError:  # this pyOpenSSL's SSL* is not a cffi pointer: its public methods from now on
+            _WriteThroughTLSTransport.encrypts_directly = False
+            return connection.send(data)
+        if result > 0:
+            return result
+        raise_ssl_error(ssl, result)
+        raise SSL.Error(f"SSL_write failed ({result}) and OpenSSL reports no error")
+
     def _flushSendBIO(self) -> None:
         self._flush_send_bio(_SEND_BIO_READ)
 
     def _flush_send_bio(self, plaintext: int) -> None:
         """Hand TCP everything in the send BIO, in one write (``plaintext``: the bytes just encrypted)."""
-        # Asked for a little more than there can be, BIO_read returns all of it in one call; a
-        # full answer means there may be more.
+        bio = getattr(self._tlsConnection, "_from_ssl", None)  # pyOpenSSL's send BIO: not public API
+        if bio is not None and _no_zero_buffer is not None and _WriteThroughTLSTransport.encrypts_directly:
+            try:
+                pending = _lib.BIO_get_mem_data(bio, _ffi.NULL)  # a memory BIO's length
+            except TypeError:
+                _WriteThroughTLSTransport.encrypts_directly = False
+            else:
+                if pending > 0:
+                    buffer = _no_zero_buffer("char[]", pending)
+                    taken = _lib.BIO_read(bio, buffer, pending)
+                    if taken > 0 and not self._dropping_output:
+                        self.transport.write(_ffi.buffer(buffer, taken)[:])
+                return
+        # pyOpenSSL's bio_read: asked for a little more than there can be, BIO_read returns all
+        # of it in one call; a full answer means there may be more.
         size = plaintext + _RECORD_OVERHEAD * (plaintext // _RECORD_PLAINTEXT + 1) + 1024
         pieces = []
         while True:
@@ -393,7 +434,24 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
     def dataReceived(self, data: bytes) -> None:
         self._ciphertext_received = len(data)  # bounds the plaintext it can make (_flushReceiveBIO)
-        super().dataReceived(data)
+        bio = getattr(self._tlsConnection, "_into_ssl", None)  # pyOpenSSL's receive BIO: not public API
+        if (
+            not self._handshakeDone
+            or self._appSendBuffer
+            or bio is None
+            or not _WriteThroughTLSTransport.encrypts_directly
+        ):
+            super().dataReceived(data)  # Twisted's: the handshake, writes held back until it is done
+            return
+        try:
+            written = _lib.BIO_write(bio, _ffi.from_buffer(data), len(data))
+        except TypeError:
+            _WriteThroughTLSTransport.encrypts_directly = False
+            super().dataReceived(data)
+            return
+        if written != len(data):  # a memory BIO takes all or nothing: pyOpenSSL's raises what failed
+            self._tlsConnection.bio_write(data)
+        self._flushReceiveBIO()
 
     def _flushReceiveBIO(self) -> None:
         # Twisted's _flushReceiveBIO, delivering the plaintext of every record now in the receive
@@ -404,7 +462,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             return
         plaintext, peer_closed, failure = self._decrypt_records()
         if plaintext and not self._aborted:
-            ProtocolWrapper.dataReceived(self, plaintext)
+            self.wrappedProtocol.dataReceived(plaintext)  # as ProtocolWrapper.dataReceived
         if peer_closed:
             self._shutdownTLS()
             # None: the protocol's connectionLost gets the reason from the TCP transport.

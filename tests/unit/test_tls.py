@@ -594,7 +594,52 @@ def decrypting(request, monkeypatch):
         assert not ztwisted.tls._WriteThroughTLSTransport.decrypts_directly, "the switch to recv was made"
 
 
-def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, client_cert, decrypting):
+class _LibWhoseWritesDoNotFit:
+    """pyOpenSSL's bindings, except that the direct path's calls for writing and the BIOs refuse what it hands them."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def _refuse(self, *args):
+        raise TypeError("initializer for ctype 'SSL *' must be a cdata pointer")
+
+    SSL_write = BIO_write = BIO_get_mem_data = _refuse
+
+
+class _CountingSslWrites:
+    """pyOpenSSL's bindings, counting the direct path's ``SSL_write`` calls."""
+
+    def __init__(self, lib, sizes: list[int]):
+        self._lib = lib
+        self._sizes = sizes
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def SSL_write(self, ssl, data, size):
+        self._sizes.append(size)
+        return self._lib.SSL_write(ssl, data, size)
+
+
+@pytest.fixture(params=["directly", "through pyOpenSSL's methods", "internals found not to fit"])
+def encrypting(request, monkeypatch):
+    """Every way the TLS transport encrypts and uses its memory BIOs after the handshake:
+    calling OpenSSL directly; through pyOpenSSL's public ``send``, ``bio_write`` and
+    ``bio_read``; and the switch to those when the internals are there but do not fit."""
+    monkeypatch.setattr(
+        ztwisted.tls._WriteThroughTLSTransport, "encrypts_directly", request.param != "through pyOpenSSL's methods"
+    )
+    if request.param == "internals found not to fit":
+        monkeypatch.setattr(ztwisted.tls, "_lib", _LibWhoseWritesDoNotFit(ztwisted.tls._lib))
+    yield request.param
+    if request.param == "internals found not to fit":
+        assert not ztwisted.tls._WriteThroughTLSTransport.encrypts_directly, "the switch to pyOpenSSL was made"
+
+
+def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, client_cert, decrypting, encrypting):
     """What one TCP read brings (here seven 16 KiB records) reaches the protocol in one call, in order."""
     link, client = _counting_link(server_cert, client_cert)
     payload = bytes(range(256)) * 400  # 102,400 bytes: seven records, written at once
@@ -604,7 +649,9 @@ def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, c
     assert client.received == payload
 
 
-def test_tls_factory_delivers_data_before_the_close_notify_that_follows_it(server_cert, client_cert, decrypting):
+def test_tls_factory_delivers_data_before_the_close_notify_that_follows_it(
+    server_cert, client_cert, decrypting, encrypting
+):
     """Records and the close_notify after them in one read: the data first, then a clean close."""
     link, client = _counting_link(server_cert, client_cert)
     payload = b"last words" * 5000
@@ -616,11 +663,13 @@ def test_tls_factory_delivers_data_before_the_close_notify_that_follows_it(serve
     assert client.lost is not None and client.lost.check(ConnectionDone), client.lost
 
 
-def test_tls_factory_encrypts_a_write_in_one_ssl_write(server_cert, client_cert):
+def test_tls_factory_encrypts_a_write_in_one_ssl_write(server_cert, client_cert, encrypting, monkeypatch):
     """A write of many records is one SSL_write and one write to TCP, whatever its size."""
     link, _ = _counting_link(server_cert, client_cert)
     connection = link.client_tls._tlsConnection
     ssl_writes = []
+    if encrypting == "directly":
+        monkeypatch.setattr(ztwisted.tls, "_lib", _CountingSslWrites(ztwisted.tls._lib, ssl_writes))
     send = connection.send
     connection.send = lambda data: (ssl_writes.append(len(data)), send(data))[1]  # this test's probe only
     tcp_writes = []
@@ -632,6 +681,42 @@ def test_tls_factory_encrypts_a_write_in_one_ssl_write(server_cert, client_cert)
     assert len(tcp_writes) == 1 and tcp_writes[0] >= len(payload) + 16 * 22, tcp_writes
     link.pump.flush()
     assert link.server.received == payload
+
+
+def test_tls_factory_hands_tcp_nothing_when_a_read_makes_nothing_to_send(server_cert, client_cert, encrypting):
+    link, client = _counting_link(server_cert, client_cert)
+    link.server_tls.write(b"hello")
+    tcp_writes = []
+    tcp_write = link.client_tls.transport.write
+    link.client_tls.transport.write = lambda data: (tcp_writes.append(data), tcp_write(data))
+    link.pump.flush()
+    assert client.received == b"hello" and tcp_writes == []
+    link.client_tls.write(b"an answer")
+    link.pump.flush()
+    assert link.server.received == b"an answer" and len(tcp_writes) == 1
+
+
+def test_tls_factory_fails_the_connection_on_garbage_after_the_handshake(
+    server_cert, client_cert, decrypting, encrypting
+):
+    """Bytes that are no TLS record: the protocol loses the connection with OpenSSL's error."""
+    link, client = _counting_link(server_cert, client_cert)
+    link.server_tls.write(b"before")
+    link.pump.flush()
+    # An application-data record that does not decrypt, as if TCP had brought it.
+    link.client_tls.dataReceived(b"\x17\x03\x03\x00\x20" + b"\xab" * 32)
+    link.pump.flush()
+    assert client.received == b"before"
+    assert client.lost is not None and client.lost.check(SSL.Error), client.lost
+
+
+def test_tls_factory_fails_the_connection_when_openssl_refuses_a_write(server_cert, client_cert, encrypting):
+    """SSL_write after TLS was shut down underneath: OpenSSL's error ends the connection, as in Twisted."""
+    link, client = _counting_link(server_cert, client_cert)
+    link.client_tls._tlsConnection.shutdown()  # close_notify sent: OpenSSL refuses to write more
+    link.client_tls.write(b"x" * 70_000)  # above the aggregation limit: encrypted now
+    link.pump.flush()
+    assert client.lost is not None and client.lost.check(SSL.Error), client.lost
 
 
 def test_tls_factory_decrypts_more_records_than_it_expected(server_cert, client_cert):
@@ -647,7 +732,7 @@ def test_tls_factory_decrypts_more_records_than_it_expected(server_cert, client_
     assert client.received == payload
 
 
-def test_tls_factory_write_buffer_sends_a_bytearray_it_is_given(server_cert, client_cert):
+def test_tls_factory_write_buffer_sends_a_bytearray_it_is_given(server_cert, client_cert, encrypting):
     """write_buffer: a big buffer is encrypted at once, after the small writes that wait; a small one waits too."""
     link, _ = _counting_link(server_cert, client_cert)
     link.client_tls.write(b"small, ")  # aggregated until the end of the reactor turn

@@ -364,8 +364,12 @@ class _WriteThrough:
             and self._nothing_queued()
             and data
         ):
-            sent = self.writeSomeData(data)
-            if isinstance(sent, Exception) or sent < 0:
+            # Twisted's writeSomeData, without its helpers: Python retries a send interrupted by
+            # a signal itself, and what a send refuses (EAGAIN, or an error, which Twisted's
+            # own write then reports) goes to the queue.
+            try:
+                sent = self.socket.send(data if len(data) <= self.SEND_LIMIT else memoryview(data)[: self.SEND_LIMIT])
+            except OSError:
                 sent = 0
             if sent == len(data):
                 return

@@ -11,6 +11,7 @@ import termios
 import pytest
 import pytest_twisted
 from twisted.internet import defer, protocol, reactor, threads
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from zope.interface import implementer
 
@@ -107,6 +108,35 @@ def test_what_the_socket_does_not_take_is_queued_and_order_is_kept_and_the_produ
     finally:
         client.close()
         transport.abortConnection()
+
+
+class _RecordingLoss(protocol.Protocol):
+    def __init__(self):
+        self.lost = defer.Deferred()
+        self.reasons = []
+
+    def connectionLost(self, reason):
+        self.reasons.append(reason)
+        self.lost.callback(None)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_write_the_kernel_refuses_with_an_error_is_reported_as_the_connection_lost():
+    transport, client = yield _connected_pair()
+    recorder = _RecordingLoss()
+    transport.protocol = recorder  # the transport reports to its protocol: this one records how it ended
+    write_through(transport)
+    transport.stopReading()  # the reset is found by the write, not by a read
+    # The peer resets the connection (SO_LINGER 0), so the next sends fail with EPIPE or ECONNRESET.
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+    yield threads.deferToThread(lambda: None)  # let the RST arrive
+    transport.write(b"into a reset connection")
+    assert transport.connected and not transport._nothing_queued(), "the refused bytes wait in Twisted's queue"
+    transport.write(b"and more")
+    yield recorder.lost
+    assert [reason.check(ConnectionLost, ConnectionDone) for reason in recorder.reasons] == [ConnectionLost]
+    assert not transport.connected
 
 
 @pytest_twisted.inlineCallbacks

@@ -477,7 +477,9 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
         OpenSSL returns one record per ``SSL_read``. pyOpenSSL's ``recv`` allocates a buffer,
         checks for errors and copies the result for each; here the records are decrypted
-        straight into one buffer, copied out once, and errors are looked at when OpenSSL reports one.
+        straight into one buffer, copied out once, and errors are looked at when OpenSSL reports
+        one, through pyOpenSSL's error check unless OpenSSL only wants more bytes (every read
+        ends so: pyOpenSSL would raise a ``WantReadError`` each time).
         """
         connection = self._tlsConnection
         ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
@@ -510,6 +512,8 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
                     pieces.append(_ffi.buffer(buffer, filled)[:])
                     filled = 0
                 continue
+            if _lib.SSL_get_error(ssl, result) == _lib.SSL_ERROR_WANT_READ:
+                break  # the rest of the bytes do not make a record yet (the usual end: no exception)
             try:
                 raise_ssl_error(ssl, result)
             except SSL.WantReadError:

@@ -1,8 +1,9 @@
-"""Before/after of proxy CPU per short connection (or per MB of bulk): both installs' node pairs up at once, load alternating.
+"""Before/after of proxy CPU per short connection (or per MB of bulk, or per pinned ping-pong): both installs' node pairs up at once, load alternating.
 
     python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON [--slices 16] [--seconds 2] [--net 41]
     python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON --sequential N [--slices 16] [--net 41]
     python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON --load bulk [--slices 16] [--bulk-mb 100] [--net 41]
+    python benchmarks/ab_conns.py BEFORE_PYTHON AFTER_PYTHON --load pingpong [--slices 16] [--round-trips 3000] [--net 41]
 
 `ab.py` compares whole `run.py --quick` runs, a minute apart; on a shared
 machine their proxy CPU per short connection moves by 10-20 % from run to
@@ -21,7 +22,11 @@ client, `load.setup`): proxy CPU per connection without concurrency, and
 the time until the first echo (SOCKS5 handshake, tunnel, app connect, one
 echo). With ``--load bulk`` a slice is one `load.bulk` transfer of
 ``--bulk-mb`` MB through each pair in turn, and each of its two figures,
-throughput (MB/s) and proxy CPU per MB, is compared the same way. Each
+throughput (MB/s) and proxy CPU per MB, is compared the same way. With
+``--load pingpong`` a slice is ``--round-trips`` 64-byte echoes on one
+connection through each pair in turn, with the client, the pair's nodes and
+its app pinned to one CPU (as `run.py`'s pinned ping-pong): p50, p99 and
+proxy CPU per round trip. Each
 Python must have its own ztwisted installed (its `twistd` runs the nodes).
 """
 
@@ -36,7 +41,7 @@ from pathlib import Path
 
 import load
 from paths import Addresses, Apps, Ztwisted
-from run import _fmt, cpu_seconds, warm_up
+from run import PINGPONG_WARMUP, _fmt, cpu_seconds, pinned_to_one_cpu, warm_up
 
 from ztwisted.ca import CertificateAuthority
 from ztwisted.tools.harness import NodeProcess, twistd_command
@@ -94,6 +99,20 @@ def bulk_figures(pair: _InstallPair, megabytes: int) -> dict[str, float]:
     }
 
 
+def pinned_pingpong(pair: _InstallPair, apps: Apps, count: int) -> dict[str, float]:
+    """``count`` 64-byte echoes, all pinned to one CPU: p50, p99 and proxy CPU per round trip."""
+    pids = pair.pids().values()
+    with pinned_to_one_cpu([*pids, apps.process.pid]):
+        before = sum(cpu_seconds(pid) for pid in pids)
+        rtts = sorted(load.pingpong(pair.echo, count, warmup=PINGPONG_WARMUP))
+        used = sum(cpu_seconds(pid) for pid in pids) - before
+    return {
+        "pinned ping-pong round trip, p50, us": load.percentile(rtts, 50) / 1e3,
+        "pinned ping-pong round trip, p99, us": load.percentile(rtts, 99) / 1e3,
+        "proxy CPU per pinned round trip (both nodes), us": used / (count + PINGPONG_WARMUP) * 1e6,
+    }
+
+
 def sequential(pair: _InstallPair, count: int) -> dict[str, float]:
     """``count`` connections one after another (``load.setup``): proxy CPU per connection, p50 until the first echo."""
     pids = pair.pids().values()
@@ -112,12 +131,15 @@ def main() -> int:
     parser.add_argument("before", help="the Python of the 'before' install")
     parser.add_argument("after", help="the Python of the 'after' install")
     parser.add_argument(
-        "--load", choices=("conns", "bulk"), default="conns", help="what each slice runs (default conns)"
+        "--load", choices=("conns", "bulk", "pingpong"), default="conns", help="what each slice runs (default conns)"
     )
     parser.add_argument("--slices", type=int, default=16, help="slices per side (default 16)")
     parser.add_argument("--seconds", type=float, default=2.0, help="seconds of short connections per slice (default 2)")
     parser.add_argument(
         "--bulk-mb", type=int, default=100, help="MB sent through each pair per bulk slice (default 100)"
+    )
+    parser.add_argument(
+        "--round-trips", type=int, default=3000, help="pinned ping-pongs per pair per pingpong slice (default 3000)"
     )
     parser.add_argument("--net", type=int, default=41)
     parser.add_argument(
@@ -131,12 +153,15 @@ def main() -> int:
     if args.slices < 2:
         parser.error("--slices must be at least 2")
     if args.load == "bulk":
-        slice_figures, slice_text = (lambda pair: bulk_figures(pair, args.bulk_mb)), f"{args.bulk_mb} MB of bulk"
+        slice_figures, slice_text = (lambda pair, apps: bulk_figures(pair, args.bulk_mb)), f"{args.bulk_mb} MB of bulk"
+    elif args.load == "pingpong":
+        slice_figures = lambda pair, apps: pinned_pingpong(pair, apps, args.round_trips)  # noqa: E731
+        slice_text = f"{args.round_trips} pinned ping-pongs"
     elif args.sequential:
         count = args.sequential
-        slice_figures, slice_text = (lambda pair: sequential(pair, count)), f"{count} sequential connections"
+        slice_figures, slice_text = (lambda pair, apps: sequential(pair, count)), f"{count} sequential connections"
     else:
-        slice_figures, slice_text = (lambda pair: cpu_per_connection(pair, args.seconds)), f"{args.seconds:g} s"
+        slice_figures, slice_text = (lambda pair, apps: cpu_per_connection(pair, args.seconds)), f"{args.seconds:g} s"
     workdir = Path(tempfile.mkdtemp(prefix="ztwisted-ab-conns-"))
     state_dir = workdir / "state"
     CertificateAuthority.load_or_create_dev(state_dir)
@@ -160,11 +185,11 @@ def main() -> int:
             started.append(pair)
             pair.start()
             warm_up(pair)
-            pairs.append((label, pair))
+            pairs.append((label, pair, apps))
         for index in range(args.slices):
             used: dict[str, dict[str, list[float]]] = {}
-            for label, pair in pairs if index % 2 == 0 else reversed(pairs):
-                for figure, value in slice_figures(pair).items():
+            for label, pair, apps in pairs if index % 2 == 0 else reversed(pairs):
+                for figure, value in slice_figures(pair, apps).items():
                     used.setdefault(figure, {"before": [], "after": []})[label].append(value)
             for figure, sides in used.items():
                 before, after = statistics.mean(sides["before"]), statistics.mean(sides["after"])

@@ -241,6 +241,7 @@ def test_sent_data_frames_are_the_bytes_and_windows_h2_makes():
         plain.h2.send_data(1, chunk)
         assert lean_data.send_data_frame(lean.h2, 1, chunk)
         assert lean.h2.local_flow_control_window(1) == plain.h2.local_flow_control_window(1)
+        assert lean_data.send_window(lean.h2, 1) == plain.h2.local_flow_control_window(1)
     assert lean.h2.data_to_send() == plain.h2.data_to_send()
     assert lean.h2.local_flow_control_window(1) == 65535 - 10 - 3 * 16384 - 16373 == 0
     # Over the window, over the frame size, on a stream h2 does not hold or has ended:
@@ -249,6 +250,8 @@ def test_sent_data_frames_are_the_bytes_and_windows_h2_makes():
     with pytest.raises(h2.exceptions.FlowControlError):
         lean.h2.send_data(1, b"x")
     client = Client()
+    with pytest.raises(h2.exceptions.NoSuchStreamError):  # a stream h2 does not hold: h2's answer
+        lean_data.send_window(client.h2, 3)
     assert not lean_data.send_data_frame(client.h2, 1, b"x" * 16385)
     assert not lean_data.send_data_frame(client.h2, 3, b"x")
     client.h2.end_stream(1)

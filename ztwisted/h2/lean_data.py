@@ -78,14 +78,14 @@ H2_INTERNALS = (
     "H2Connection.state_machine.state",
     "H2Connection.incoming_buffer._data",
     "H2Connection.incoming_buffer._headers_buffer",
-    "H2Connection._inbound_flow_control_window_manager.window_consumed",
+    "H2Connection._inbound_flow_control_window_manager",
     "H2Connection._terminate_connection",
     "H2Connection._data_to_send",
     "H2Stream.state_machine.state",
     "H2Stream.state_machine.headers_received",
-    "H2Stream._inbound_window_manager.window_consumed",
+    "H2Stream._inbound_window_manager",
     "H2Stream._track_content_length",
-    "WindowManager._bytes_processed",
+    "WindowManager.current_window_size, max_window_size, _bytes_processed (read and changed as h2 does)",
 )
 
 
@@ -158,8 +158,11 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
     if not stream.state_machine.headers_received:  # DATA before the response: h2's protocol error
         return None
     try:
-        h2conn._inbound_flow_control_window_manager.window_consumed(length)
-        stream._inbound_window_manager.window_consumed(length)
+        # h2's WindowManager.window_consumed, for the connection's window, then the stream's
+        for window in (h2conn._inbound_flow_control_window_manager, stream._inbound_window_manager):
+            window.current_window_size -= length
+            if window.current_window_size < 0:
+                raise h2.exceptions.FlowControlError("Flow control window shrunk below 0")
         stream._track_content_length(length, False)
     except h2.exceptions.ProtocolError as e:
         h2conn._terminate_connection(e.error_code)
@@ -197,6 +200,15 @@ def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: by
     h2conn._data_to_send += size.to_bytes(3, "big") + _DATA_NO_FLAGS + stream_id.to_bytes(4, "big")
     h2conn._data_to_send += data
     return True
+
+
+def send_window(h2conn: h2.connection.H2Connection, stream_id: int) -> int:
+    """``h2.local_flow_control_window(stream_id)``: how much the outbound windows let the stream send
+    (without h2's lookup, which raises for a stream it does not hold: then h2's is called)."""
+    stream = h2conn.streams.get(stream_id) if ENABLED else None
+    if stream is None:
+        return h2conn.local_flow_control_window(stream_id)
+    return min(h2conn.outbound_flow_control_window, stream.outbound_flow_control_window)
 
 
 def acknowledge_received_data(h2conn: h2.connection.H2Connection, size: int, stream_id: int) -> bool:

@@ -211,7 +211,7 @@ class Stream:
     def flush(self, h2conn: h2.connection.H2Connection) -> None:
         """Send buffered data as far as the windows allow."""
         while self._outbound:
-            window = min(h2conn.local_flow_control_window(self.stream_id), h2conn.max_outbound_frame_size)
+            window = min(lean_data.send_window(h2conn, self.stream_id), h2conn.max_outbound_frame_size)
             if window <= 0:
                 break
             chunk = self._outbound[0]

@@ -337,15 +337,19 @@ class _WriteThrough:
     SEND_LIMIT = 1024 * 1024
 
     def doRead(self):
-        # Twisted's tcp.Connection.doRead, with READ_SIZE. Twisted's bufferSize stays what
-        # it is: it is also the write queue's size at which the producer is paused.
+        # Twisted's tcp.Connection.doRead (and its _dataReceived), with READ_SIZE. Twisted's
+        # bufferSize stays what it is: it is also the write queue's size at which the producer
+        # is paused.
         try:
             data = self.socket.recv(READ_SIZE)
         except OSError as se:
             if se.args[0] == errno.EWOULDBLOCK:
                 return None
             return main.CONNECTION_LOST
-        return self._dataReceived(data)
+        if not data:
+            return main.CONNECTION_DONE
+        self.protocol.dataReceived(data)
+        return None
 
     def _nothing_queued(self) -> bool:
         # Twisted's queue: dataBuffer from offset on, then _tempDataBuffer (_tempDataLen bytes).

@@ -469,7 +469,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             self._tlsShutdownFinished(None)
         elif failure is not None:
             self._tlsShutdownFinished(failure)
-        self._flushSendBIO()
+        self._flush_send_bio(_SEND_BIO_READ)  # what reading made OpenSSL send (alerts, key updates)
 
     def _decrypt_records(self) -> tuple[bytes, bool, Failure | None]:
         """The plaintext of the whole records in the receive BIO, whether a close_notify followed
@@ -498,8 +498,6 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         buffer = _no_zero_buffer("char[]", size)
         pieces = []
         filled = 0
-        peer_closed = False
-        failure = None
         while True:
             try:
                 result = _lib.SSL_read(ssl, buffer + filled, size - filled)
@@ -512,27 +510,31 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
                     pieces.append(_ffi.buffer(buffer, filled)[:])
                     filled = 0
                 continue
+            if filled:
+                pieces.append(_ffi.buffer(buffer, filled)[:])
             if _lib.SSL_get_error(ssl, result) == _lib.SSL_ERROR_WANT_READ:
-                break  # the rest of the bytes do not make a record yet (the usual end: no exception)
-            try:
-                raise_ssl_error(ssl, result)
-            except SSL.WantReadError:
-                pass  # the rest of the bytes do not make a record yet
-            except SSL.ZeroReturnError:
-                peer_closed = True  # close_notify: TLS has shut down
-            except SSL.Error:
-                failure = Failure()
-            except TypeError:  # this pyOpenSSL's error check takes other arguments: recv from now on
-                _WriteThroughTLSTransport.decrypts_directly = False
-                if filled:
-                    pieces.append(_ffi.buffer(buffer, filled)[:])
-                    filled = 0
-                rest, peer_closed, failure = self._decrypt_records_one_by_one()
-                pieces.append(rest)
-            break
-        if filled:
-            pieces.append(_ffi.buffer(buffer, filled)[:])
-        return b"".join(pieces), peer_closed, failure
+                # The rest of the bytes do not make a record yet: the usual end, without an exception.
+                return b"".join(pieces), False, None
+            peer_closed, failure, rest = self._why_ssl_read_stopped(raise_ssl_error, ssl, result)
+            pieces.append(rest)
+            return b"".join(pieces), peer_closed, failure
+
+    def _why_ssl_read_stopped(self, raise_ssl_error, ssl, result: int) -> tuple[bool, Failure | None, bytes]:
+        """Whether a close_notify or which failure ended :meth:`_decrypt_records`'s reading, through
+        pyOpenSSL's error check; and what is still to be decrypted if that check does not fit."""
+        try:
+            raise_ssl_error(ssl, result)
+        except SSL.WantReadError:
+            pass  # the rest of the bytes do not make a record yet
+        except SSL.ZeroReturnError:
+            return True, None, b""  # close_notify: TLS has shut down
+        except SSL.Error:
+            return False, Failure(), b""
+        except TypeError:  # this pyOpenSSL's error check takes other arguments: recv from now on
+            _WriteThroughTLSTransport.decrypts_directly = False
+            rest, peer_closed, failure = self._decrypt_records_one_by_one()
+            return peer_closed, failure, rest
+        return False, None, b""
 
     def _decrypt_records_one_by_one(self) -> tuple[bytes, bool, Failure | None]:
         """:meth:`_decrypt_records` through pyOpenSSL's public ``recv``, one record per call."""

@@ -566,7 +566,7 @@ def _error_check_unfit_in_the_direct_path(original):
     """pyOpenSSL's error check, refusing (as one taking other arguments would) the direct path's call."""
 
     def error_check(self, ssl, result):
-        if sys._getframe(1).f_code.co_name == "_decrypt_records":
+        if sys._getframe(1).f_code.co_name == "_why_ssl_read_stopped":
             raise TypeError("_raise_ssl_error() takes other arguments")
         return original(self, ssl, result)
 

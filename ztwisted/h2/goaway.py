@@ -167,10 +167,9 @@ class GoawayFilter:
         it was held in, valid until the next call.
         """
         segments: list[Segment] = []
+        position = 0
         if self._held_missing or self._pending or self._preface_left:
             data, position = self._continue_from_earlier_reads(data, segments)
-        else:
-            position = 0
         goaways: list[ReceivedGoaway] = []
         view = memoryview(data)
         end = len(data)

@@ -231,8 +231,10 @@ class Stream:
             self._eof_pending = False
             self._local_closed = True
             h2conn.end_stream(self.stream_id)
-        self.apply_backpressure()
-        self._maybe_closed()
+        if self._outbound_size or self._partner_paused:  # else apply_backpressure has nothing to do
+            self.apply_backpressure()
+        if self._local_closed:
+            self._maybe_closed()
 
     def apply_backpressure(self) -> None:
         """Pause the partner while data waits here, resume it once all went out."""

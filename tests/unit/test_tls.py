@@ -549,16 +549,20 @@ def _counting_link(server_cert, client_cert) -> tuple[Link, ChunkCountingPeer]:
     return link, counting
 
 
-class _LibWhoseSslReadDoesNotFit:
-    """pyOpenSSL's bindings, except that ``SSL_read`` refuses what the direct path hands it."""
+class _LibThatRefuses:
+    """pyOpenSSL's bindings, except that the functions named refuse what the direct path hands them."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, *refused: str):
         self._lib = lib
+        self._refused = refused
 
     def __getattr__(self, name):
+        if name in self._refused:
+            return self._refuse
         return getattr(self._lib, name)
 
-    def SSL_read(self, *args):
+    @staticmethod
+    def _refuse(*args):
         raise TypeError("initializer for ctype 'SSL *' must be a cdata pointer")
 
 
@@ -584,7 +588,7 @@ def decrypting(request, monkeypatch):
     if request.param == "through pyOpenSSL's recv":
         monkeypatch.setattr(ztwisted.tls, "_no_zero_buffer", None)
     elif request.param == "internals found not to fit":
-        monkeypatch.setattr(ztwisted.tls, "_lib", _LibWhoseSslReadDoesNotFit(ztwisted.tls._lib))
+        monkeypatch.setattr(ztwisted.tls, "_lib", _LibThatRefuses(ztwisted.tls._lib, "SSL_read"))
     elif request.param == "error check found not to fit":
         monkeypatch.setattr(
             SSL.Connection, "_raise_ssl_error", _error_check_unfit_in_the_direct_path(SSL.Connection._raise_ssl_error)
@@ -600,30 +604,12 @@ def assert_switched_if_the_error_check_does_not_fit(decrypting: str) -> None:
         assert not ztwisted.tls._WriteThroughTLSTransport.decrypts_directly, "the switch to recv was made"
 
 
-class _LibWhoseWritesDoNotFit:
-    """pyOpenSSL's bindings, except that the direct path's calls for writing and the BIOs refuse what it hands them."""
-
-    def __init__(self, lib):
-        self._lib = lib
-
-    def __getattr__(self, name):
-        return getattr(self._lib, name)
-
-    def _refuse(self, *args):
-        raise TypeError("initializer for ctype 'SSL *' must be a cdata pointer")
-
-    SSL_write = BIO_write = BIO_get_mem_data = _refuse
-
-
-class _CountingSslWrites:
+class _CountingSslWrites(_LibThatRefuses):
     """pyOpenSSL's bindings, counting the direct path's ``SSL_write`` calls."""
 
     def __init__(self, lib, sizes: list[int]):
-        self._lib = lib
+        super().__init__(lib)
         self._sizes = sizes
-
-    def __getattr__(self, name):
-        return getattr(self._lib, name)
 
     def SSL_write(self, ssl, data, size):
         self._sizes.append(size)
@@ -639,7 +625,9 @@ def encrypting(request, monkeypatch):
         ztwisted.tls._WriteThroughTLSTransport, "encrypts_directly", request.param != "through pyOpenSSL's methods"
     )
     if request.param == "internals found not to fit":
-        monkeypatch.setattr(ztwisted.tls, "_lib", _LibWhoseWritesDoNotFit(ztwisted.tls._lib))
+        monkeypatch.setattr(
+            ztwisted.tls, "_lib", _LibThatRefuses(ztwisted.tls._lib, "SSL_write", "BIO_write", "BIO_get_mem_data")
+        )
     yield request.param
     if request.param == "internals found not to fit":
         assert not ztwisted.tls._WriteThroughTLSTransport.encrypts_directly, "the switch to pyOpenSSL was made"

@@ -70,6 +70,14 @@ def _port(value: str) -> int:
     return port
 
 
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    # Zero would make a timer that re-arms at once: a busy loop, not "off".
+    if not seconds > 0:
+        raise ValueError(f"{value} is not a positive number of seconds")
+    return seconds
+
+
 class Options(usage.Options):
     synopsis = "[options]"
     longdesc = (
@@ -129,8 +137,8 @@ class Options(usage.Options):
             "Seed the proxy's random choices (endpoint selection, backoff jitter): for reproducible labs.",
             int,
         ],
-        ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", float],
-        ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", float],
+        ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", _positive_seconds],
+        ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", _positive_seconds],
         # xDS and CA client settings (ztunnel's environment variable names): ztwisted/xds/settings.py
         *xds_settings.option_parameters(),
     ]

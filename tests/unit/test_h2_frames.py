@@ -495,6 +495,14 @@ def test_a_quiet_peer_gets_one_ping_and_then_the_timeout():
     assert link.conn.ended_by == "keepalive-timeout"
 
 
+@pytest.mark.parametrize("setting", ["keepalive_interval", "keepalive_timeout"])
+@pytest.mark.parametrize("seconds", [0, -1.0])
+def test_keepalive_times_must_be_positive(setting, seconds):
+    # A KEEPALIVE timer that re-arms for the rest of a zero interval would fire every turn.
+    with pytest.raises(ValueError, match=setting):
+        H2Settings.client(**{setting: seconds})
+
+
 def test_keepalive_timeout_aborts_and_resets_the_streams():
     link = Link(client=True, settings=H2Settings.client(keepalive_interval=10, keepalive_timeout=20))
     stream = link.ours_open_tunnel()

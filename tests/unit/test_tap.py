@@ -65,6 +65,11 @@ def test_inpod_mode_marks_packets_and_uses_the_default_socket(tmp_path):
 def test_bad_values_are_usage_errors(tmp_path):
     with pytest.raises(usage.UsageError, match="--log-format must be json or text"):
         options(tmp_path, "--log-format", "xml")
+    for option in ("--keepalive-interval", "--keepalive-timeout"):
+        for value in ("0", "-1"):
+            with pytest.raises(usage.UsageError, match="not a positive number of seconds"):
+                options(tmp_path, option, value)
+    assert options(tmp_path, "--keepalive-interval", "0.5")["keepalive-interval"] == 0.5
 
 
 def test_an_unknown_drain_strategy_is_the_error_and_the_installed_names_alone(tmp_path, capsys):

@@ -20,8 +20,9 @@ class H2Settings:
     max_header_list_size: int = attr.ib(default=64 * KiB)
     # A received frame over max_frame_size, or a header block over
     # goaway.header_block_cap(max_header_list_size), ends the connection as it arrives.
-    keepalive_interval: float = attr.ib(default=10.0)
-    keepalive_timeout: float = attr.ib(default=20.0)
+    # Positive: the KEEPALIVE timer re-arms for the rest of the interval each time it fires.
+    keepalive_interval: float = attr.ib(default=10.0, validator=attr.validators.gt(0))
+    keepalive_timeout: float = attr.ib(default=20.0, validator=attr.validators.gt(0))
     #: how long a graceful close waits for the PING that follows the first GOAWAY
     goaway_ping_wait: float = attr.ib(default=1.0)
     #: after sending close_notify, how long to wait for the peer's before closing TCP anyway

@@ -132,6 +132,38 @@ def test_slow_reader_closes_the_window_instead_of_buffering():
     assert not app.paused
 
 
+def test_bytes_a_reset_stream_left_unread_reopen_the_connection_window():
+    # Streams whose app stopped reading and that were then reset must not take their unread
+    # bytes out of the connection's window: a few of them would starve every other stream.
+    window = 65535
+    pair = Pair(
+        handler=accept_and_record,
+        server_settings=H2Settings.server(stream_window=window, connection_window=4 * window),
+    )
+    for _ in range(5):
+        opened = pair.client.open_tunnel("127.0.0.1:8080")
+        pair.flush()
+        stream = opened.result
+        stream.set_partner(RecordingEnd())
+        server_stream = pair.requests[-1]
+        server_stream.pauseProducing()  # the app stopped reading
+        stream.write(b"x" * (2 * window))
+        pair.flush()
+        assert len(server_stream.far.data) == window  # a whole stream window, unacknowledged
+        stream.abort()  # RST_STREAM CANCEL
+        pair.flush()
+    # (h2 sends a connection WINDOW_UPDATE once half the window is to be reopened)
+    assert pair.client.h2.outbound_flow_control_window >= 2 * window
+    opened = pair.client.open_tunnel("127.0.0.1:8080")
+    pair.flush()
+    stream = opened.result
+    stream.set_partner(RecordingEnd())
+    stream.write(b"y" * (2 * window))
+    for _ in range(20):
+        pair.flush()
+    assert len(pair.requests[-1].far.data) == 2 * window
+
+
 def test_graceful_drain_sends_two_goaways_and_lets_streams_finish():
     pair = Pair(handler=accept_and_record)
     opened = pair.client.open_tunnel("127.0.0.1:8080")

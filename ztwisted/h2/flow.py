@@ -63,3 +63,15 @@ class FlowControl:
         except h2.exceptions.StreamClosedError:
             return
         self.send_pending()
+
+    def release(self, stream: Stream, size: int) -> None:
+        """Give the connection's window back the ``size`` bytes ``stream`` received that nobody will
+        take now that it ended (its partner was paused, or there was none yet).
+
+        Left out, they would shrink the peer's connection window for good, until a few such
+        streams starved every stream of the connection. h2 credits only the connection's window
+        for a closed stream.
+        """
+        if size and self.lifecycle.connected_now:
+            self.h2.acknowledge_received_data(size, stream.stream_id)
+            self.send_pending()

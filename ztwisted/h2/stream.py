@@ -257,6 +257,8 @@ class Stream:
         self._done = True
         self._outbound.clear()
         self._outbound_size = 0
+        unread, self._unacked = self._unacked, 0
+        self.connection.flow.release(self, unread)
         self.connection.stream_finished(self)
         if not self.response.called:
             self.response.errback(TunnelError(f"stream ended before the tunnel opened ({outcome})"))

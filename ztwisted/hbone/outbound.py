@@ -154,13 +154,7 @@ class Outbound:
             source_ip=source[0],
         )
         authority = _authority(str(destination.ip), destination.port)
-        # Different for every connection: in the HPACK table it would only push out the
-        # headers that repeat and lengthen every lookup (a "never indexed" literal).
-        headers = [NeverIndexedHeaderTuple("forwarded", f'for="{_authority(*source)}"')]
-        baggage = _baggage(source_workload)
-        if baggage:
-            headers.append(("baggage", baggage))
-        return self.pool.open_tunnel(key, authority, headers)
+        return self.pool.open_tunnel(key, authority, tunnel_headers(source_workload, source))
 
     def _connect_hbone(self, key: PoolKey) -> defer.Deferred:
         context = self.context
@@ -219,6 +213,17 @@ def _as_refusal(e: Exception) -> Exception:
     if isinstance(e, (TunnelError, ConnectionGone)):
         return Socks5Error(Reply.GENERAL_FAILURE, str(e))
     return Socks5Error(Reply.GENERAL_FAILURE, f"{type(e).__name__}: {e}")
+
+
+def tunnel_headers(source_workload, source: tuple[str, int]) -> list[tuple[str, str]]:
+    """The CONNECT's headers after ``:method`` and ``:authority``, sent as they are (lowercase names)."""
+    # Different for every connection: in the HPACK table it would only push out the
+    # headers that repeat and lengthen every lookup (a "never indexed" literal).
+    headers = [NeverIndexedHeaderTuple("forwarded", f'for="{_authority(*source)}"')]
+    baggage = _baggage(source_workload)
+    if baggage:
+        headers.append(("baggage", baggage))
+    return headers
 
 
 def _authority(ip: str, port: int) -> str:

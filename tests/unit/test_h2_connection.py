@@ -7,6 +7,7 @@ import weakref
 
 import h2.connection
 import pytest
+from hpack import Decoder, NeverIndexedHeaderTuple
 from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionDone
@@ -432,3 +433,20 @@ def test_the_headers_ztwisted_sends_are_the_bytes_h2_sends_after_normalizing_the
     assert not ours.normalize_outbound_headers
     assert ours.validate_inbound_headers, "what a peer sends is still checked"
     assert wire(normalize=False) == wire(normalize=True)
+
+
+def test_header_literals_are_sent_without_huffman_coding_and_read_back_the_same():
+    """The CONNECT's literals go out as they are (RFC 7541 leaves Huffman coding to the sender)."""
+    conn = HBONEConnection(client=True, clock=task.Clock())
+    transport = StringTransport()
+    conn.makeConnection(transport)
+    conn.handshakeCompleted()
+    transport.clear()
+    workload = Workload(uid="u", name="client-1", namespace="shop")
+    headers = tunnel_headers(workload, ("10.0.0.1", 40000))
+    conn.open_tunnel("10.0.0.2:8080", headers)
+    (frame,) = [f for f in parse_frames(transport.value()) if isinstance(f, HeadersFrame)]
+    assert b'for="10.0.0.1:40000"' in frame.data and b"10.0.0.2:8080" in frame.data
+    decoded = Decoder().decode(frame.data, raw=False)
+    assert decoded == [(":method", "CONNECT"), (":authority", "10.0.0.2:8080"), *headers]
+    assert isinstance(decoded[2], NeverIndexedHeaderTuple), "forwarded stays out of the HPACK table"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import attrs
@@ -23,8 +24,11 @@ from ztwisted.tls import ServerTLS, peer_identity, tls_factory
 log = Logger()
 
 
+# Remembered: a client sends the same few authorities again and again (~3 us each to parse and
+# print back). Bounded, as a peer chooses what it sends.
+@functools.lru_cache(maxsize=1024)
 def parse_authority(authority: str) -> tuple[str, int] | None:
-    """``ip:port`` or ``[ipv6]:port`` -> (ip, port); None when it is neither."""
+    """``ip:port`` or ``[ipv6]:port`` -> (ip, port), the IP written canonically; None when it is neither."""
     host, sep, port_text = authority.rpartition(":")
     if not sep or not port_text.isdigit():
         return None

@@ -78,14 +78,15 @@ class Outbound:
             raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
         target = destination.workload
         hbone = target is not None and target.protocol == "HBONE"
-        record = self._record(source, source_workload, destination, hbone)
+        destination_ip = str(destination.ip)  # once: an IP address object prints itself slowly
+        record = self._record(source, source_workload, destination, destination_ip, hbone)
         try:
             if hbone:
-                upstream = await self._open_tunnel(source_workload, source, destination)
+                upstream = await self._open_tunnel(source_workload, source, destination, destination_ip)
             else:
                 upstream = TCPEnd()
                 await context.network_of(source_workload).connect(
-                    str(destination.ip),
+                    destination_ip,
                     destination.port,
                     factory_for(upstream),
                     source_ip=source_ip,
@@ -101,7 +102,7 @@ class Outbound:
         record.finish_when_done(splice(app, upstream), app, upstream)
         return upstream
 
-    def _record(self, source, source_workload, destination, hbone: bool) -> ConnectionRecord:
+    def _record(self, source, source_workload, destination, destination_ip: str, hbone: bool) -> ConnectionRecord:
         """The metrics and access-log record of one outbound connection, whatever becomes of it."""
         context = self.context
         source_ip, source_port = source
@@ -124,8 +125,8 @@ class Outbound:
                 "src.workload": source_workload.name,
                 "src.namespace": source_workload.namespace,
                 "src.identity": str(source_workload.identity),
-                "dst.addr": f"{destination.ip}:{destination.port}",
-                "dst.hbone_addr": f"{destination.ip}:{HBONE_PORT}" if hbone else None,
+                "dst.addr": f"{destination_ip}:{destination.port}",
+                "dst.hbone_addr": f"{destination_ip}:{HBONE_PORT}" if hbone else None,
                 "dst.service": destination.service.hostname if destination.service is not None else None,
                 "dst.workload": target.name if target is not None else None,
                 "dst.namespace": target.namespace if target is not None else None,
@@ -143,17 +144,17 @@ class Outbound:
             raise OutboundRefused(Reply.HOST_UNREACHABLE, f"no service has the hostname {host!r}")
         return service.vips[0][1]
 
-    def _open_tunnel(self, source_workload, source, destination) -> defer.Deferred:
+    def _open_tunnel(self, source_workload, source, destination, destination_ip: str) -> defer.Deferred:
         expected = {str(destination.workload.identity)}
         if destination.service is not None:
             expected.update(destination.service.subject_alt_names)
         key = PoolKey(
             source_identity=str(source_workload.identity),
             destination_identities=expected,
-            destination=(str(destination.ip), HBONE_PORT),
+            destination=(destination_ip, HBONE_PORT),
             source_ip=source[0],
         )
-        authority = _authority(str(destination.ip), destination.port)
+        authority = _authority(destination_ip, destination.port)
         return self.pool.open_tunnel(key, authority, tunnel_headers(source_workload, source))
 
     def _connect_hbone(self, key: PoolKey) -> defer.Deferred:

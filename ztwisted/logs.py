@@ -203,18 +203,13 @@ def access_log(log: Logger, **fields: Any) -> None:
     a string is passed through. Fields that are None are left out. An
     ``error`` makes the event error-level.
     """
-    event: dict[str, Any] = {}
-    for name, value in fields.items():
-        if value is None:
-            continue
-        key = _field_name(name)
-        if key == "duration" and isinstance(value, (int, float)):
-            value = format_duration(value)
-        event[key] = value
+    event: dict[str, Any] = {_field_name(name): value for name, value in fields.items() if value is not None}
+    duration = event.get("duration")
+    if isinstance(duration, (int, float)):
+        event["duration"] = format_duration(duration)
     if "direction" in event and event["direction"] not in ("inbound", "outbound"):
         raise ValueError(f"direction must be 'inbound' or 'outbound', not {event['direction']!r}")
-    ordered = {key: event.pop(key) for key in ACCESS_FIELDS if key in event}
-    ordered.update(event)
+    ordered = {key: event[key] for key in _in_access_order(tuple(event))}
     level = LogLevel.error if "error" in ordered else LogLevel.info
     # Field names hold dots, which a format string cannot name: the text is rendered by a
     # call, and only for an observer that formats it (the JSON observer writes the fields).
@@ -233,6 +228,12 @@ _ACCESS_FORMAT = "{" + _TEXT_KEY + "()}"
 def _access_logger(log: Logger) -> Logger:
     """``log``'s source and observer, in the access-log namespace."""
     return Logger(namespace=ACCESS_NAMESPACE, source=log.source, observer=log.observer)
+
+
+@functools.lru_cache(maxsize=64)  # a handful of key sets: a record's fields, with or without an error
+def _in_access_order(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """``keys`` with ztunnel's fields first, in its order, then the others as given."""
+    return tuple(key for key in ACCESS_FIELDS if key in keys) + tuple(key for key in keys if key not in ACCESS_FIELDS)
 
 
 def _access_text(fields: dict[str, Any]) -> str:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 from twisted.internet import defer, task
 from twisted.logger import globalLogPublisher
 
 from ztwisted.hbone.tracking import ConnectionRecord
+from ztwisted.logs import json_observer
 from ztwisted.metrics import ConnectionLabels, Metrics
 
 
@@ -65,3 +69,50 @@ def test_a_refused_connection_is_counted_with_its_flags(access_events):
     assert event["outcome"] == "refused"
     assert event["error"] == "denied by policy default/only-clients"
     assert metrics.sample("istio_tcp_connections_closed_total", labels.with_flags("DENY").as_dict()) == 1
+
+
+@pytest.mark.parametrize(
+    "outcomes, ending",
+    [
+        (("closed", "closed"), ["duration", "src.forwarded", "outcome"]),
+        (("reset", "drain-deadline"), ["duration", "src.forwarded", "outcome", "error"]),
+    ],
+)
+def test_the_json_access_line_has_ztunnels_fields_in_its_order_then_the_others(outcomes, ending):
+    out = io.StringIO()
+    log_to = json_observer(out)
+    globalLogPublisher.addObserver(log_to)
+    try:
+        clock = task.Clock()
+        fields = {
+            "direction": "inbound",
+            "src.addr": "10.0.0.1:4000",
+            "src.forwarded": "10.0.0.1:4000",
+            "src.identity": "spiffe://cluster.local/ns/a/sa/client",
+            "dst.addr": "10.0.0.2:8080",
+            "dst.service": None,
+            "dst.workload": "echo",
+            "dst.identity": "spiffe://cluster.local/ns/b/sa/echo",
+        }
+        record = ConnectionRecord(Metrics(), clock, ConnectionLabels(reporter="destination"), **fields)
+        clock.advance(0.012)
+        record.finish_when_done(defer.succeed(list(outcomes)), End(), End(sent=10, received=7))
+    finally:
+        globalLogPublisher.removeObserver(log_to)
+    (line,) = [json.loads(text) for text in out.getvalue().splitlines() if '"scope": "access"' in text]
+    assert list(line) == [
+        "time",
+        "level",
+        "scope",
+        "message",
+        "src.addr",
+        "src.identity",
+        "dst.addr",
+        "dst.workload",
+        "dst.identity",
+        "direction",
+        "bytes_sent",
+        "bytes_recv",
+        *ending,
+    ]
+    assert (line["bytes_sent"], line["bytes_recv"], line["duration"]) == (10, 7, "12ms")

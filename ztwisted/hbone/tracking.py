@@ -49,16 +49,15 @@ class ConnectionRecord:
         spliced.addErrback(lambda failure: log.failure("accounting failed", failure))
 
     def _log(self, bytes_sent: int, bytes_recv: int, error: str | None, outcome: str = "refused") -> None:
-        fields = dict(self.fields)
-        fields["outcome"] = outcome
-        fields.update(
+        access_log(
+            log,
+            **self.fields,
+            outcome=outcome,
             bytes_sent=bytes_sent,
             bytes_recv=bytes_recv,
             duration=self.clock.seconds() - self.started,
+            error=error or None,
         )
-        if error:
-            fields["error"] = error
-        access_log(log, **fields)
 
 
 def track_hbone_connection(metrics, connection, direction: str) -> None:

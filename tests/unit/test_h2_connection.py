@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import h2.connection
@@ -337,14 +336,6 @@ def test_keepalive_abort_during_the_close_notify_wait_says_so():
 def _end_cleanly(end: TCPEnd) -> None:
     end.writeConnectionLost()
     end.connectionLost(Failure(ConnectionDone()))
-
-
-@pytest.fixture
-def no_cyclic_gc():
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
 
 
 def test_a_finished_tunnel_is_freed_at_once_not_by_the_cyclic_garbage_collector(no_cyclic_gc):

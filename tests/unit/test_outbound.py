@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import pytest
 from twisted.internet import defer, error
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import globalLogPublisher
 
 from ztwisted.ca import CertificateAuthority, CertificateStore
 from ztwisted.context import ProxyContext
@@ -37,19 +35,6 @@ SERVER = Workload(
 @pytest.fixture(scope="module")
 def certificate_authority(tmp_path_factory):
     return CertificateAuthority.load_or_create_dev(tmp_path_factory.mktemp("ca"))
-
-
-@pytest.fixture
-def access_events():
-    events = []
-
-    def observe(event):
-        if event.get("log_namespace") == "access":
-            events.append(event)
-
-    globalLogPublisher.addObserver(observe)
-    yield events
-    globalLogPublisher.removeObserver(observe)
 
 
 def outbound_with_pool_connect(certificate_authority, connect):
@@ -114,14 +99,6 @@ def test_a_connection_refused_before_any_upstream_is_opened_has_no_record(
     (failure,) = outcome
     assert failure.check(Socks5Error) and failure.value.reply_code == reply
     assert access_events == [] and attempts == []
-
-
-@pytest.fixture
-def no_cyclic_gc():
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
 
 
 def test_a_refused_connection_leaves_no_reference_cycle(certificate_authority, no_cyclic_gc):

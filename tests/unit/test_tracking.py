@@ -20,19 +20,6 @@ class End:
         self.bytes_received = received
 
 
-@pytest.fixture
-def access_events():
-    events = []
-
-    def observe(event):
-        if event.get("log_namespace") == "access":
-            events.append(event)
-
-    globalLogPublisher.addObserver(observe)
-    yield events
-    globalLogPublisher.removeObserver(observe)
-
-
 @pytest.mark.parametrize(
     "outcomes, expected",
     [

@@ -9,7 +9,7 @@ import pytest
 from twisted.internet import defer, task
 from twisted.logger import globalLogPublisher
 
-from ztwisted.hbone.tracking import ConnectionRecord
+from ztwisted.hbone.tracking import ConnectionRecord, LiveConnections
 from ztwisted.logs import json_observer
 from ztwisted.metrics import ConnectionLabels, Metrics
 
@@ -103,3 +103,20 @@ def test_the_json_access_line_has_ztunnels_fields_in_its_order_then_the_others(o
         *ending,
     ]
     assert (line["bytes_sent"], line["bytes_recv"], line["duration"]) == (10, 7, "12ms")
+
+
+def test_live_connections_tell_each_waiter_when_each_connection_ends():
+    live = LiveConnections()
+    first, second, gone = object(), object(), object()
+    for protocol in (first, second, gone):
+        live.add(protocol)
+    live.remove(gone)  # ended before anyone waited
+    assert len(live) == 2 and list(live) == [first, second]
+    waits, more_waits = live.ended(), live.ended()
+    assert len(waits) == len(more_waits) == 2
+    live.remove(first)
+    assert [w.called for w in waits + more_waits] == [True, False, True, False]
+    live.remove(second)
+    live.remove(second)  # twice: nothing more happens
+    assert all(w.called for w in waits + more_waits)
+    assert len(live) == 0 and live.ended() == []

@@ -127,6 +127,10 @@ class InboundHBONE:
     network: HostNetwork | PodNetwork
     connections: set[HBONEConnection] = attrs.field(init=False, factory=set)
     _tls: ServerTLS = attrs.field(init=False)
+    #: the node's settings do not change while it runs: worked out once, not per tunnel
+    _illegal_ports: frozenset[int] = attrs.field(
+        init=False, default=attrs.Factory(lambda self: illegal_ports(self.context.settings), takes_self=True)
+    )
 
     @_tls.default
     def _server_tls(self) -> ServerTLS:
@@ -207,7 +211,7 @@ class InboundHBONE:
         ip, port = target
         if not serves_address(self.workload, self.network, ip, lambda: connection.transport.getHost().host):
             return 400, "-", f"{ip} is not a workload served here"
-        if port in illegal_ports(self.context.settings):
+        if port in self._illegal_ports:
             # ztunnel answers a call to its own ports 503 (it fails to pick an upstream).
             return 503, "-", SELF_CALL.format(port=port)
         decision = authorize(

@@ -38,6 +38,9 @@ class SpiffeId:
     trust_domain: str = attrs.field(converter=_trust_domain)
     namespace: str = attrs.field()
     service_account: str = attrs.field()
+    # The URI, built once: a connection writes its identities into its labels and log line
+    # several times, and identities are shared (``model.Workload.identity``).
+    _uri: str = attrs.field(init=False, eq=False, order=False, hash=False, repr=False)
 
     @trust_domain.validator
     def _check_trust_domain(self, _attribute, value: str) -> None:
@@ -51,8 +54,12 @@ class SpiffeId:
     def _check_service_account(self, _attribute, value: str) -> None:
         _check_segment("service account", value)
 
-    def __str__(self) -> str:
+    @_uri.default
+    def _build_uri(self) -> str:
         return f"{_SCHEME}{self.trust_domain}/ns/{self.namespace}/sa/{self.service_account}"
+
+    def __str__(self) -> str:
+        return self._uri
 
     @classmethod
     def parse(cls, uri: str) -> SpiffeId:

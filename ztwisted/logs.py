@@ -54,6 +54,10 @@ _CORE_KEYS = ("time", "level", "scope", "message", "error")
 _BRIEF_KEY = "log_brief"
 # The callable that renders an access-log event's text (its format is just a call of it).
 _TEXT_KEY = "log_access_text"
+# An access-log event's fields, in ztunnel's order: what the JSON observer writes of it.
+_FIELDS_KEY = "log_access_fields"
+# Values JSON writes as they are (exact types: a subclass may render differently).
+_PLAIN_TYPES = frozenset({str, int, bool, type(None)})
 # Keys a twisted.python.log (legacy) event carries that formatEvent already used.
 _LEGACY_KEYS = frozenset({"message", "format", "isError", "failure", "why", "time"})
 
@@ -80,7 +84,7 @@ def _message(event: dict[str, Any]) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, (str, bool, int)):
+    if value.__class__ in _PLAIN_TYPES or isinstance(value, (str, bool, int)):
         return value
     try:
         json.dumps(value, allow_nan=False)
@@ -101,11 +105,19 @@ def event_as_flat_dict(event: dict[str, Any]) -> dict[str, Any]:
         "scope": event.get("log_namespace") or "-",
         "message": event.get(_BRIEF_KEY) or _message(event),
     }
-    legacy = event.get("log_namespace") == "log_legacy" or "isError" in event
-    for key, value in event.items():
-        if key.startswith("log_") or key in _CORE_KEYS or (legacy and key in _LEGACY_KEYS):
-            continue
-        flat[key] = _jsonable(value)
+    access_fields = event.get(_FIELDS_KEY)
+    if access_fields is not None:
+        # The same keys, in the same order, as the loop below takes from the event, without
+        # walking the event's own log_* keys.
+        for key, value in access_fields.items():
+            if key not in _CORE_KEYS:
+                flat[key] = value if value.__class__ in _PLAIN_TYPES else _jsonable(value)
+    else:
+        legacy = event.get("log_namespace") == "log_legacy" or "isError" in event
+        for key, value in event.items():
+            if key.startswith("log_") or key in _CORE_KEYS or (legacy and key in _LEGACY_KEYS):
+                continue
+            flat[key] = _jsonable(value)
     failure = event.get("log_failure")
     if failure is not None:
         flat["error"] = failure.getTraceback()
@@ -191,28 +203,37 @@ def access_log(log: Logger, **fields: Any) -> None:
     a string is passed through. Fields that are None are left out. An
     ``error`` makes the event error-level.
     """
-    event: dict[str, Any] = {}
-    for name, value in fields.items():
-        if value is None:
-            continue
-        key = _field_name(name)
-        if key == "duration" and isinstance(value, (int, float)):
-            value = format_duration(value)
-        event[key] = value
+    event: dict[str, Any] = {_field_name(name): value for name, value in fields.items() if value is not None}
+    duration = event.get("duration")
+    if isinstance(duration, (int, float)):
+        event["duration"] = format_duration(duration)
     if "direction" in event and event["direction"] not in ("inbound", "outbound"):
         raise ValueError(f"direction must be 'inbound' or 'outbound', not {event['direction']!r}")
-    ordered = {key: event.pop(key) for key in ACCESS_FIELDS if key in event}
-    ordered.update(event)
+    ordered = {key: event[key] for key in _in_access_order(tuple(event))}
     level = LogLevel.error if "error" in ordered else LogLevel.info
     # Field names hold dots, which a format string cannot name: the text is rendered by a
     # call, and only for an observer that formats it (the JSON observer writes the fields).
-    access = Logger(namespace=ACCESS_NAMESPACE, source=log.source, observer=log.observer)
+    access = log if log.namespace == ACCESS_NAMESPACE else _access_logger(log)
     access.emit(
         level,
-        "{" + _TEXT_KEY + "()}",
-        **{_BRIEF_KEY: ACCESS_MESSAGE, _TEXT_KEY: functools.partial(_access_text, ordered)},
+        _ACCESS_FORMAT,
+        **{_BRIEF_KEY: ACCESS_MESSAGE, _TEXT_KEY: functools.partial(_access_text, ordered), _FIELDS_KEY: ordered},
         **ordered,
     )
+
+
+_ACCESS_FORMAT = "{" + _TEXT_KEY + "()}"
+
+
+def _access_logger(log: Logger) -> Logger:
+    """``log``'s source and observer, in the access-log namespace."""
+    return Logger(namespace=ACCESS_NAMESPACE, source=log.source, observer=log.observer)
+
+
+@functools.lru_cache(maxsize=64)  # a handful of key sets: a record's fields, with or without an error
+def _in_access_order(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """``keys`` with ztunnel's fields first, in its order, then the others as given."""
+    return tuple(key for key in ACCESS_FIELDS if key in keys) + tuple(key for key in keys if key not in ACCESS_FIELDS)
 
 
 def _access_text(fields: dict[str, Any]) -> str:

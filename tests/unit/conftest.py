@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from twisted.logger import globalLogPublisher
 
@@ -13,3 +15,26 @@ def logged():
     globalLogPublisher.addObserver(events.append)
     yield events
     globalLogPublisher.removeObserver(events.append)
+
+
+@pytest.fixture
+def access_events():
+    """The access-log events emitted during the test."""
+    events = []
+
+    def observe(event):
+        if event.get("log_namespace") == "access":
+            events.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    yield events
+    globalLogPublisher.removeObserver(observe)
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    """The cyclic garbage collector off: what is still alive after its last reference went is in a cycle."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()

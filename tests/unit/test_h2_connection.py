@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import weakref
 
+import h2.connection
 import pytest
+from hpack import Decoder, NeverIndexedHeaderTuple
 from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionDone
@@ -13,7 +14,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.test import iosim
 
-from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused, TunnelRefused
+from ztwisted.h2.connection import H2Settings, HBONEConnection, StreamRefused, TunnelRefused, _h2_config
 from ztwisted.h2.goaway import (
     CLIENT_PREFACE,
     ENHANCE_YOUR_CALM,
@@ -25,6 +26,8 @@ from ztwisted.h2.goaway import (
     encode_goaway,
     header_block_cap,
 )
+from ztwisted.hbone.outbound import tunnel_headers
+from ztwisted.model import Workload
 from ztwisted.splice import TCPEnd, splice
 
 from .h2_support import RecordingEnd, accept_and_record, connected_end, parse_frames
@@ -367,14 +370,6 @@ def _end_cleanly(end: TCPEnd) -> None:
     end.connectionLost(Failure(ConnectionDone()))
 
 
-@pytest.fixture
-def no_cyclic_gc():
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
-
-
 def test_a_finished_tunnel_is_freed_at_once_not_by_the_cyclic_garbage_collector(no_cyclic_gc):
     # Were a tunnel's ends, streams and transports left in reference cycles, each short
     # connection would wait for the cyclic collector, whose pauses grow with the heap.
@@ -431,3 +426,50 @@ def test_a_tunnel_no_longer_waited_for_is_reset_and_not_left_open_on_the_server(
     again = pair.client.open_tunnel("127.0.0.1:8080")
     pair.flush()
     assert again.result.stream_id == 3 and len(server_apps) == 2
+
+
+@pytest.mark.parametrize("source", [("10.0.0.1", 40000), ("fd00::1", 40000)])
+def test_the_headers_ztwisted_sends_are_the_bytes_h2_sends_after_normalizing_them(source):
+    """h2 does not normalize ztwisted's outbound headers (lowercase names, no surrounding
+    whitespace, no connection headers, credentials never indexed): all already true of them,
+    so the frames on the wire are those h2's normalization would have produced."""
+    workload = Workload(uid="u", name="client-1", namespace="shop", canonical_name="client", canonical_revision="v1")
+    connect = [(":method", "CONNECT"), (":authority", "10.0.0.2:8080"), *tunnel_headers(workload, source)]
+    responses = [[(":status", "200")], [(":status", "503")]]
+
+    def wire(normalize: bool) -> tuple[bytes, bytes]:
+        client_config, server_config = _h2_config(client=True), _h2_config(client=False)
+        client_config.normalize_outbound_headers = server_config.normalize_outbound_headers = normalize
+        client = h2.connection.H2Connection(config=client_config)
+        server = h2.connection.H2Connection(config=server_config)
+        client.initiate_connection()
+        server.initiate_connection()
+        server.receive_data(client.data_to_send())
+        client.receive_data(server.data_to_send())
+        for stream_id, response in zip((1, 3), responses, strict=True):
+            client.send_headers(stream_id, connect)
+            server.receive_data(client.data_to_send())
+            server.send_headers(stream_id, response)
+        return client.data_to_send(), server.data_to_send()
+
+    ours = _h2_config(client=True)
+    assert not ours.normalize_outbound_headers
+    assert ours.validate_inbound_headers, "what a peer sends is still checked"
+    assert wire(normalize=False) == wire(normalize=True)
+
+
+def test_header_literals_are_sent_without_huffman_coding_and_read_back_the_same():
+    """The CONNECT's literals go out as they are (RFC 7541 leaves Huffman coding to the sender)."""
+    conn = HBONEConnection(client=True, clock=task.Clock())
+    transport = StringTransport()
+    conn.makeConnection(transport)
+    conn.handshakeCompleted()
+    transport.clear()
+    workload = Workload(uid="u", name="client-1", namespace="shop")
+    headers = tunnel_headers(workload, ("10.0.0.1", 40000))
+    conn.open_tunnel("10.0.0.2:8080", headers)
+    (frame,) = [f for f in parse_frames(transport.value()) if isinstance(f, HeadersFrame)]
+    assert b'for="10.0.0.1:40000"' in frame.data and b"10.0.0.2:8080" in frame.data
+    decoded = Decoder().decode(frame.data, raw=False)
+    assert decoded == [(":method", "CONNECT"), (":authority", "10.0.0.2:8080"), *headers]
+    assert isinstance(decoded[2], NeverIndexedHeaderTuple), "forwarded stays out of the HPACK table"

@@ -1,5 +1,6 @@
 from datetime import UTC, datetime, timedelta
 
+import attrs
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
@@ -19,6 +20,16 @@ from ztwisted.identity import (
 def test_str_has_istio_shape():
     identity = SpiffeId("example.org", "default", "client")
     assert str(identity) == "spiffe://example.org/ns/default/sa/client"
+
+
+def test_the_uri_built_once_takes_no_part_in_comparisons():
+    identity = SpiffeId("example.org", "default", "client")
+    same = SpiffeId.parse("spiffe://example.org/ns/default/sa/client")
+    assert identity == same and hash(identity) == hash(same)
+    assert identity < SpiffeId("example.org", "default", "server")
+    assert repr(identity) == "SpiffeId(trust_domain='example.org', namespace='default', service_account='client')"
+    # A changed copy gets its own URI.
+    assert str(attrs.evolve(identity, namespace="shop")) == "spiffe://example.org/ns/shop/sa/client"
 
 
 def test_parse_round_trips():

@@ -84,13 +84,30 @@ def test_discovery_is_matched_by_name_namespace_and_service_account_as_ztunnel_d
 def test_a_pod_without_known_addresses_serves_only_the_address_a_connection_arrived_at():
     pod = pod_workload("uid-new", INFO, Mesh(), "node-1")
     in_pod = PodNetwork(reactor=None, netns=None)
-    assert serves_address(pod, in_pod, "10.0.0.9", arrived_at="10.0.0.9")
-    assert not serves_address(pod, in_pod, "10.0.0.10", arrived_at="10.0.0.9"), "a relay to another address"
+    assert serves_address(pod, in_pod, "10.0.0.9", arrived_at=lambda: "10.0.0.9")
+    assert not serves_address(pod, in_pod, "10.0.0.10", arrived_at=lambda: "10.0.0.9"), "a relay to another address"
     # Outside a pod's own namespace an unknown address means nothing.
-    assert not serves_address(pod, HostNetwork(reactor=None), "10.0.0.9", arrived_at="10.0.0.9")
+    assert not serves_address(pod, HostNetwork(reactor=None), "10.0.0.9", arrived_at=lambda: "10.0.0.9")
     known = pod_workload("uid-web-1", INFO, parse_config(DISCOVERED), "node-1")
-    assert serves_address(known, in_pod, "10.0.0.5", arrived_at="10.0.0.5")
-    assert not serves_address(known, in_pod, "10.0.0.9", arrived_at="10.0.0.9"), "discovery knows its addresses"
+    assert serves_address(known, in_pod, "10.0.0.5", arrived_at=lambda: "10.0.0.5")
+    assert not serves_address(known, in_pod, "10.0.0.9", arrived_at=lambda: "10.0.0.9"), "discovery knows its addresses"
+
+
+def test_the_local_address_is_asked_for_only_for_a_pod_without_known_addresses():
+    """Asking is a ``getsockname`` per HBONE tunnel; a workload discovery described never needs it."""
+    asked = []
+
+    def arrived_at():
+        asked.append(True)
+        return "10.0.0.9"
+
+    in_pod = PodNetwork(reactor=None, netns=None)
+    known = pod_workload("uid-web-1", INFO, parse_config(DISCOVERED), "node-1")
+    assert serves_address(known, in_pod, "10.0.0.5", arrived_at)
+    assert not serves_address(known, in_pod, "10.0.0.9", arrived_at)
+    assert asked == []
+    assert serves_address(pod_workload("uid-new", INFO, Mesh(), "node-1"), in_pod, "10.0.0.9", arrived_at)
+    assert asked == [True]
 
 
 # -- through the ZDS client, with a real node and a real pod namespace ---------------------------

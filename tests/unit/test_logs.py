@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import re
 
@@ -12,8 +13,10 @@ from twisted.logger._legacy import publishToNewObserver
 from twisted.python.log import textFromEventDict
 
 from ztwisted.logs import (
+    _FIELDS_KEY,
     ACCESS_FIELDS,
     access_log,
+    event_as_flat_dict,
     json_observer,
     observer_for,
     text_observer,
@@ -166,6 +169,43 @@ def test_access_log_with_error_is_error_level_and_json_keys_keep_dots():
     assert line["bytes_sent"] == 0
     assert line["duration"] == "1500ms"
     assert line["error"] == "connection refused"
+
+
+@pytest.mark.parametrize("error", [None, "connection refused"])
+def test_access_log_json_takes_the_fields_as_the_generic_path_does(error):
+    """The JSON observer writes an access-log event from its ordered fields (without walking
+    the event's own keys): the same keys, values and order as from the event itself."""
+    events: list[dict] = []
+    access_log(
+        Logger(namespace="access", observer=events.append),
+        direction="outbound",
+        src_addr="10.0.0.1:4000",
+        dst_identity="spiffe://cluster.local/ns/d/sa/s",
+        bytes_sent=3,
+        bytes_recv=True,
+        duration=0.25,
+        error=error,
+        outcome=ipaddress.ip_address("10.0.0.9"),  # not a JSON value: rendered the generic way too
+        extra=1.5,
+    )
+    (event,) = events
+    fast = event_as_flat_dict(event)
+    generic_event = dict(event)
+    del generic_event[_FIELDS_KEY]
+    generic = event_as_flat_dict(generic_event)
+    assert list(fast.items()) == list(generic.items())
+    assert list(fast)[4:7] == ["src.addr", "dst.identity", "direction"]
+    assert fast["outcome"] == "10.0.0.9" and fast["extra"] == 1.5
+    assert ("error" in fast) == (error is not None)
+
+
+def test_access_log_through_a_logger_of_another_namespace_is_in_the_access_namespace():
+    events: list[dict] = []
+    source = object()
+    access_log(Logger(namespace="ztwisted.elsewhere", source=source, observer=events.append), direction="inbound")
+    (event,) = events
+    assert event["log_namespace"] == "access"
+    assert event["log_source"] is source
 
 
 def test_access_log_text_survives_braces_and_twisteds_own_text_observer():

@@ -264,6 +264,22 @@ def test_second_refusal_fails_the_tunnel():
     assert len(s.net.requests) == 2  # one retry, no more
 
 
+def test_a_tunnel_no_longer_wanted_while_it_opens_is_reset_and_not_retried():
+    s = Setup(handler=lambda stream: None)  # the server never answers
+    tunnel = _opened(s)
+    outcome: list = []
+    tunnel.addBoth(outcome.append)
+    assert outcome == []
+    (client,) = s.net.clients
+    (stream,) = client.streams.values()
+    tunnel.cancel()
+    s.net.flush()
+    (failure,) = outcome
+    assert failure.check(defer.CancelledError)
+    assert stream.done and not client.streams
+    assert len(s.net.requests) == 1 and s.net.requests[0].done, "the server saw the reset; no second CONNECT"
+
+
 # -- idle release ---------------------------------------------------------------------
 
 

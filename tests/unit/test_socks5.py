@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 import pytest
@@ -22,6 +23,7 @@ from ztwisted.hbone.socks5 import (
     Socks5Factory,
     Socks5Protocol,
     Socks5Request,
+    _parse_request,
     reply_bytes,
 )
 
@@ -451,3 +453,10 @@ def test_replies_are_sent_before_the_reactor_runs_again():
         client.close()
         protocol.transport.abortConnection()
         yield port.stopListening()
+
+
+@pytest.mark.parametrize("packed", [b"\x00\x00\x00\x00", b"\x0a\x00\x00\x05", b"\x7f\x00\x00\x01", b"\xff\xff\xff\xff"])
+def test_an_ipv4_destination_reads_as_ipaddress_writes_it(packed):
+    consumed, _command, address_type, host, port = _parse_request(b"\x05\x01\x00\x01" + packed + b"\x1f\x90")
+    assert (consumed, address_type, host, port) == (10, AddressType.IPV4, str(ipaddress.IPv4Address(packed)), 8080)
+    assert type(address_type) is AddressType

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import attrs
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger
@@ -21,8 +24,11 @@ from ztwisted.tls import ServerTLS, peer_identity, tls_factory
 log = Logger()
 
 
+# Remembered: a client sends the same few authorities again and again (~3 us each to parse and
+# print back). Bounded, as a peer chooses what it sends.
+@functools.lru_cache(maxsize=1024)
 def parse_authority(authority: str) -> tuple[str, int] | None:
-    """``ip:port`` or ``[ipv6]:port`` -> (ip, port); None when it is neither."""
+    """``ip:port`` or ``[ipv6]:port`` -> (ip, port), the IP written canonically; None when it is neither."""
     host, sep, port_text = authority.rpartition(":")
     if not sep or not port_text.isdigit():
         return None
@@ -97,18 +103,19 @@ class _InboundTLSFactory(TLSMemoryBIOFactory):
         return super().buildProtocol(addr)
 
 
-def serves_address(workload, network, ip: str, arrived_at: str) -> bool:
-    """Whether a connection for ``ip`` that arrived at local address ``arrived_at`` is for ``workload``.
+def serves_address(workload, network, ip: str, arrived_at: Callable[[], str]) -> bool:
+    """Whether a connection for ``ip`` that arrived at the local address ``arrived_at()`` is for ``workload``.
 
     A pod the node agent added before discovery described it has no known
     address yet; its listeners are inside its own network namespace, so the
     address a connection arrived at there is the pod's own, and only that one
-    is served (never a relay to elsewhere).
+    is served (never a relay to elsewhere). Only then is ``arrived_at`` called
+    (for an HBONE tunnel it asks the kernel: a ``getsockname``).
     """
     address = parse_ip(ip)
     if workload.workload_ips:
         return address in workload.workload_ips
-    return not isinstance(network, HostNetwork) and address == parse_ip(arrived_at)
+    return not isinstance(network, HostNetwork) and address == parse_ip(arrived_at())
 
 
 @attrs.define(eq=False)
@@ -120,6 +127,10 @@ class InboundHBONE:
     network: HostNetwork | PodNetwork
     connections: set[HBONEConnection] = attrs.field(init=False, factory=set)
     _tls: ServerTLS = attrs.field(init=False)
+    #: the node's settings do not change while it runs: worked out once, not per tunnel
+    _illegal_ports: frozenset[int] = attrs.field(
+        init=False, default=attrs.Factory(lambda self: illegal_ports(self.context.settings), takes_self=True)
+    )
 
     @_tls.default
     def _server_tls(self) -> ServerTLS:
@@ -151,8 +162,10 @@ class InboundHBONE:
     def _tunnel_requested(self, connection: HBONEConnection, stream: Stream) -> None:
         authority = stream.headers.get(":authority", "")
         target = parse_authority(authority)
-        record = self._record(connection, stream, authority, target)
-        refusal = self._refusal(connection, authority, target)
+        # The HBONE connection's peer: for its address in the record and for the policy.
+        peer = connection.transport.getPeer()
+        record = self._record(connection, peer, stream, authority, target)
+        refusal = self._refusal(connection, peer, authority, target)
         if refusal is not None:
             status, flags, reason = refusal
             record.refused(flags, reason)
@@ -160,10 +173,9 @@ class InboundHBONE:
             return
         self._connect_app(stream, record, *target)
 
-    def _record(self, connection: HBONEConnection, stream: Stream, authority: str, target) -> ConnectionRecord:
+    def _record(self, connection: HBONEConnection, peer, stream: Stream, authority: str, target) -> ConnectionRecord:
         """The metrics and access-log record of one tunnel, whatever becomes of it."""
         mesh = self.context.mesh
-        peer = connection.transport.getPeer()
         source_identity = connection.peer_identity
         service = _inbound_service(mesh, self.workload, target[1]) if target is not None else None
         return ConnectionRecord(
@@ -192,20 +204,20 @@ class InboundHBONE:
             },
         )
 
-    def _refusal(self, connection: HBONEConnection, authority: str, target) -> tuple[int, str, str] | None:
+    def _refusal(self, connection: HBONEConnection, peer, authority: str, target) -> tuple[int, str, str] | None:
         """Why this tunnel is refused, as (HTTP status, response flags, reason), or None to open it."""
         if target is None:
             return 400, "-", f"bad authority {authority!r}"
         ip, port = target
-        if not serves_address(self.workload, self.network, ip, connection.transport.getHost().host):
+        if not serves_address(self.workload, self.network, ip, lambda: connection.transport.getHost().host):
             return 400, "-", f"{ip} is not a workload served here"
-        if port in illegal_ports(self.context.settings):
+        if port in self._illegal_ports:
             # ztunnel answers a call to its own ports 503 (it fails to pick an upstream).
             return 503, "-", SELF_CALL.format(port=port)
         decision = authorize(
             self.context.mesh.policies,
             source=connection.peer_identity,
-            source_ip=parse_ip(connection.transport.getPeer().host),
+            source_ip=parse_ip(peer.host),
             destination=self.workload,
             destination_ip=parse_ip(ip),
             destination_port=port,
@@ -303,7 +315,7 @@ class _PlaintextInbound(TCPEnd):
             )
             return None
         ip, _port = destination
-        if not serves_address(workload, self.inbound.network, ip, local.host):
+        if not serves_address(workload, self.inbound.network, ip, lambda: local.host):
             log.warn("plaintext inbound to {ip}: not workload {workload}", ip=ip, workload=workload.name)
             return None
         return destination

@@ -9,6 +9,7 @@ from hpack import NeverIndexedHeaderTuple
 from twisted.internet import defer, error
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from ztwisted.context import ProxyContext
 from ztwisted.h2.connection import ConnectionGone, HBONEConnection, TunnelError, TunnelRefused
@@ -60,9 +61,37 @@ class Outbound:
         The source workload is the local workload whose IP ``app`` comes from,
         unless the listener already knows it (a pod's own 15001).
         """
-        return defer.Deferred.fromCoroutine(self._connect(app, source, host, port, source_workload))
+        # Callbacks, not a coroutine: a coroutine's start and its resumption through Deferreds
+        # cost more than the steps themselves (as in ConnectionPool.open_tunnel).
+        try:
+            source_workload, destination, destination_ip, hbone = self._route(source, host, port, source_workload)
+        except Exception:
+            return defer.fail()
+        record = self._record(source, source_workload, destination, destination_ip, hbone)
+        try:
+            opening = self._open_upstream(source_workload, source, destination, destination_ip, hbone)
+        except Exception:
+            opening = defer.fail()
 
-    async def _connect(self, app, source, host, port, source_workload):
+        def opened(upstream):
+            record.finish_when_done(splice(app, upstream), app, upstream)
+            return upstream
+
+        def refused(failure: Failure) -> Failure:
+            e = failure.value
+            record.refused("CONNECT", str(e))
+            # The refusal keeps ``e`` as its cause; e's traceback holds the frames that hold
+            # ``failure``: a cycle only the cyclic collector would free (~80 objects per refused
+            # connection). What is logged of it is its message.
+            e.__traceback__ = None
+            refusal = _as_refusal(e)
+            refusal.__cause__ = e
+            return Failure(refusal)
+
+        return opening.addCallbacks(opened, refused)
+
+    def _route(self, source, host: str, port: int, source_workload):
+        """(source workload, destination, its IP as text, whether by HBONE); raises OutboundRefused."""
         context = self.context
         source_ip = source[0]
         if source_workload is None:
@@ -78,30 +107,24 @@ class Outbound:
             raise OutboundRefused(Reply.HOST_UNREACHABLE, destination.reason)
         target = destination.workload
         hbone = target is not None and target.protocol == "HBONE"
-        record = self._record(source, source_workload, destination, hbone)
-        try:
-            if hbone:
-                upstream = await self._open_tunnel(source_workload, source, destination)
-            else:
-                upstream = TCPEnd()
-                await context.network_of(source_workload).connect(
-                    str(destination.ip),
-                    destination.port,
-                    factory_for(upstream),
-                    source_ip=source_ip,
-                    timeout=context.connect_timeout,
-                )
-        except Exception as e:
-            record.refused("CONNECT", str(e))
-            # The refusal keeps ``e`` as its cause; e's traceback holds the frames that hold the
-            # Failure now being raised: a cycle only the cyclic collector would free (~80 objects
-            # per refused connection). What is logged of it is its message.
-            e.__traceback__ = None
-            raise _as_refusal(e) from e
-        record.finish_when_done(splice(app, upstream), app, upstream)
-        return upstream
+        # Once: an IP address object prints itself slowly.
+        return source_workload, destination, str(destination.ip), hbone
 
-    def _record(self, source, source_workload, destination, hbone: bool) -> ConnectionRecord:
+    def _open_upstream(self, source_workload, source, destination, destination_ip: str, hbone: bool) -> defer.Deferred:
+        """Fires with the upstream end: an HBONE tunnel through the pool, or a plain TCP connection."""
+        if hbone:
+            return self._open_tunnel(source_workload, source, destination, destination_ip)
+        upstream = TCPEnd()
+        connecting = self.context.network_of(source_workload).connect(
+            destination_ip,
+            destination.port,
+            factory_for(upstream),
+            source_ip=source[0],
+            timeout=self.context.connect_timeout,
+        )
+        return connecting.addCallback(lambda _: upstream)
+
+    def _record(self, source, source_workload, destination, destination_ip: str, hbone: bool) -> ConnectionRecord:
         """The metrics and access-log record of one outbound connection, whatever becomes of it."""
         context = self.context
         source_ip, source_port = source
@@ -124,8 +147,8 @@ class Outbound:
                 "src.workload": source_workload.name,
                 "src.namespace": source_workload.namespace,
                 "src.identity": str(source_workload.identity),
-                "dst.addr": f"{destination.ip}:{destination.port}",
-                "dst.hbone_addr": f"{destination.ip}:{HBONE_PORT}" if hbone else None,
+                "dst.addr": f"{destination_ip}:{destination.port}",
+                "dst.hbone_addr": f"{destination_ip}:{HBONE_PORT}" if hbone else None,
                 "dst.service": destination.service.hostname if destination.service is not None else None,
                 "dst.workload": target.name if target is not None else None,
                 "dst.namespace": target.namespace if target is not None else None,
@@ -143,24 +166,18 @@ class Outbound:
             raise OutboundRefused(Reply.HOST_UNREACHABLE, f"no service has the hostname {host!r}")
         return service.vips[0][1]
 
-    def _open_tunnel(self, source_workload, source, destination) -> defer.Deferred:
+    def _open_tunnel(self, source_workload, source, destination, destination_ip: str) -> defer.Deferred:
         expected = {str(destination.workload.identity)}
         if destination.service is not None:
             expected.update(destination.service.subject_alt_names)
         key = PoolKey(
             source_identity=str(source_workload.identity),
             destination_identities=expected,
-            destination=(str(destination.ip), HBONE_PORT),
+            destination=(destination_ip, HBONE_PORT),
             source_ip=source[0],
         )
-        authority = _authority(str(destination.ip), destination.port)
-        # Different for every connection: in the HPACK table it would only push out the
-        # headers that repeat and lengthen every lookup (a "never indexed" literal).
-        headers = [NeverIndexedHeaderTuple("forwarded", f'for="{_authority(*source)}"')]
-        baggage = _baggage(source_workload)
-        if baggage:
-            headers.append(("baggage", baggage))
-        return self.pool.open_tunnel(key, authority, headers)
+        authority = _authority(destination_ip, destination.port)
+        return self.pool.open_tunnel(key, authority, tunnel_headers(source_workload, source))
 
     def _connect_hbone(self, key: PoolKey) -> defer.Deferred:
         context = self.context
@@ -219,6 +236,17 @@ def _as_refusal(e: Exception) -> Exception:
     if isinstance(e, (TunnelError, ConnectionGone)):
         return Socks5Error(Reply.GENERAL_FAILURE, str(e))
     return Socks5Error(Reply.GENERAL_FAILURE, f"{type(e).__name__}: {e}")
+
+
+def tunnel_headers(source_workload, source: tuple[str, int]) -> list[tuple[str, str]]:
+    """The CONNECT's headers after ``:method`` and ``:authority``, sent as they are (lowercase names)."""
+    # Different for every connection: in the HPACK table it would only push out the
+    # headers that repeat and lengthen every lookup (a "never indexed" literal).
+    headers = [NeverIndexedHeaderTuple("forwarded", f'for="{_authority(*source)}"')]
+    baggage = _baggage(source_workload)
+    if baggage:
+        headers.append(("baggage", baggage))
+    return headers
 
 
 def _authority(ip: str, port: int) -> str:

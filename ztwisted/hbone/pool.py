@@ -56,28 +56,42 @@ class ConnectionPool:
 
     def open_tunnel(self, key: PoolKey, authority: str, headers: Iterable[tuple[str, str]] = ()) -> defer.Deferred:
         """Fires with an open :class:`~ztwisted.h2.connection.Stream` to ``authority``."""
-        return defer.Deferred.fromCoroutine(self._open_tunnel(key, authority, list(headers)))
+        # Callbacks, not a coroutine: with a connection free (nearly always) every step runs at
+        # once, and a coroutine's resumption through Deferreds cost more than the steps themselves.
+        headers = list(headers)
 
-    async def _open_tunnel(self, key, authority, headers):
-        connection = await self._acquire(key)
-        try:
+        def open_on(connection: HBONEConnection) -> defer.Deferred:
             self._cancel_idle(connection)
-            return await connection.open_tunnel(authority, headers)
-        except StreamRefused as refused:
+            return connection.open_tunnel(authority, headers)
+
+        def retry_if_refused(failure, refused_on: HBONEConnection) -> defer.Deferred:
+            failure.trap(StreamRefused)
             self.log.info(
                 "tunnel to {authority} refused before it opened ({why}); retrying on another connection",
                 authority=authority,
-                why=refused,
+                why=failure.value,
             )
-        connection = await self._acquire(key, exclude=connection)
-        self._cancel_idle(connection)
-        return await connection.open_tunnel(authority, headers)
+            return self._acquire(key, exclude=refused_on).addCallback(open_on)
 
-    async def _acquire(self, key: PoolKey, exclude: HBONEConnection | None = None) -> HBONEConnection:
+        return self._acquire(key).addCallback(
+            lambda connection: open_on(connection).addErrback(retry_if_refused, connection)
+        )
+
+    def _acquire(self, key: PoolKey, exclude: HBONEConnection | None = None) -> defer.Deferred:
+        """Fires with a connection for ``key`` (not ``exclude``) that takes another stream, once there is one."""
+        connection = self._free_connection(key, exclude)
+        if connection is not None:
+            return defer.succeed(connection)
+        return defer.Deferred.fromCoroutine(self._wait_for_connection(key, exclude))
+
+    def _free_connection(self, key: PoolKey, exclude: HBONEConnection | None) -> HBONEConnection | None:
+        for connection in self._connections.get(key, ()):
+            if connection is not exclude and connection.available_streams > 0:
+                return connection
+        return None
+
+    async def _wait_for_connection(self, key: PoolKey, exclude: HBONEConnection | None) -> HBONEConnection:
         while True:
-            for connection in self._connections.get(key, ()):
-                if connection is not exclude and connection.available_streams > 0:
-                    return connection
             waiter = defer.Deferred()
             waiters = self._connecting.get(key)
             if waiters is None:
@@ -86,6 +100,9 @@ class ConnectionPool:
             else:
                 waiters.append(waiter)
             await waiter
+            connection = self._free_connection(key, exclude)
+            if connection is not None:
+                return connection
 
     def _start_connect(self, key: PoolKey) -> None:
         failures = self._failures.get(key, 0)

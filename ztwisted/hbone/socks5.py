@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import re
+import socket
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,10 @@ class AddressType(enum.IntEnum):
     IPV4 = 0x01
     DOMAIN = 0x03
     IPV6 = 0x04
+
+
+# The request's ATYP byte -> AddressType, without an enum lookup by value per request.
+_ADDRESS_TYPES = {member.value: member for member in AddressType}
 
 
 class Reply(enum.IntEnum):
@@ -154,9 +159,9 @@ def _parse_request(buf: bytes) -> tuple[int, int, AddressType, str, int] | None:
             Reply.GENERAL_FAILURE,
         )
     (port,) = struct.unpack("!H", buf[end : end + 2])
-    address_type = AddressType(atyp)
+    address_type = _ADDRESS_TYPES[atyp]
     if address_type == AddressType.IPV4:
-        host = str(ipaddress.IPv4Address(buf[4:end]))
+        host = socket.inet_ntoa(buf[4:end])  # str(IPv4Address(...)), without the object
     elif address_type == AddressType.IPV6:
         host = str(ipaddress.IPv6Address(buf[4:end]))
     else:

@@ -49,16 +49,15 @@ class ConnectionRecord:
         spliced.addErrback(lambda failure: log.failure("accounting failed", failure))
 
     def _log(self, bytes_sent: int, bytes_recv: int, error: str | None, outcome: str = "refused") -> None:
-        fields = dict(self.fields)
-        fields["outcome"] = outcome
-        fields.update(
+        access_log(
+            log,
+            **self.fields,
+            outcome=outcome,
             bytes_sent=bytes_sent,
             bytes_recv=bytes_recv,
             duration=self.clock.seconds() - self.started,
+            error=error or None,
         )
-        if error:
-            fields["error"] = error
-        access_log(log, **fields)
 
 
 def track_hbone_connection(metrics, connection, direction: str) -> None:
@@ -97,11 +96,12 @@ def _ending(app_outcome: str, upstream_outcome: str) -> str:
 class LiveConnections:
     """The app-side connections a listener accepted, so that a drain can wait for them to end."""
 
-    #: protocol -> the Deferred that fires when it ends
+    #: protocol -> the Deferred that fires when it ends, made only once a drain waits for it
+    #: (most connections end without anyone waiting)
     _ended: dict = attrs.field(init=False, factory=dict)
 
     def add(self, protocol) -> None:
-        self._ended[protocol] = defer.Deferred()
+        self._ended[protocol] = None
 
     def remove(self, protocol) -> None:
         ended = self._ended.pop(protocol, None)
@@ -117,7 +117,9 @@ class LiveConnections:
     def ended(self) -> list:
         """One new Deferred per live connection, firing when it ends."""
         waits = []
-        for ended in self._ended.values():
+        for protocol, ended in list(self._ended.items()):
+            if ended is None:
+                ended = self._ended[protocol] = defer.Deferred()
             follower = defer.Deferred()
             ended.addBoth(lambda result, follower=follower: (follower.callback(None), result)[1])
             waits.append(follower)

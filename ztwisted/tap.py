@@ -137,7 +137,13 @@ class Options(usage.Options):
             "Seed the proxy's random choices (endpoint selection, backoff jitter): for reproducible labs.",
             int,
         ],
-        ["keepalive-interval", None, 10.0, "Seconds without frames from an HBONE peer before a PING.", _positive_seconds],
+        [
+            "keepalive-interval",
+            None,
+            10.0,
+            "Seconds without frames from an HBONE peer before a PING.",
+            _positive_seconds,
+        ],
         ["keepalive-timeout", None, 20.0, "Seconds to wait for a PING answer before closing.", _positive_seconds],
         # xDS and CA client settings (ztunnel's environment variable names): ztwisted/xds/settings.py
         *xds_settings.option_parameters(),

@@ -21,12 +21,26 @@ from ztwisted.hbone.inbound import forwarded_for, parse_authority
         ("10.0.0.5:+80", None),
         ("example.com:80", None),
         ("", None),
+        ("10.0.0.5:\u00b2", None),
+        ("10.0.0.5:\u0668\u0660", None),
+        ("[fe80::1%eth0]:80", None),
+        ("[fe80::1]:80", ("fe80::1", 80)),
     ],
 )
 def test_parse_authority(authority, expected):
     # Twice: the second answer is the remembered one.
     assert parse_authority(authority) == expected
     assert parse_authority(authority) == expected
+
+
+def test_what_cannot_be_an_address_is_not_remembered():
+    from ztwisted.hbone.inbound import _parse_authority
+
+    before = _parse_authority.cache_info().currsize
+    for n in range(50):
+        assert parse_authority(f"[fe80::1%{'x' * 60_000}{n}]:80") is None
+        assert parse_authority(f"{'1' * 60_000}{n}:80") is None
+    assert _parse_authority.cache_info().currsize == before
 
 
 @pytest.mark.parametrize(

@@ -110,3 +110,15 @@ def test_a_refused_connection_leaves_no_reference_cycle(certificate_authority, n
     alive = [weakref.ref(failure.value), weakref.ref(failure.value.__cause__), weakref.ref(app)]
     del failure, outcome[:], app
     assert [ref() for ref in alive] == [None] * len(alive)
+
+
+def test_baggage_values_from_a_hand_written_config_go_out_without_surrounding_whitespace():
+    # The CONNECT's headers skip h2's normalization; a peer that validates them would end the
+    # whole connection over "client-1 " (whitespace around a header value).
+    from ztwisted.hbone.outbound import tunnel_headers
+
+    workload = Workload(uid="u", name="client-1 ", namespace="\tshop", canonical_name=" ", canonical_revision="v1\t")
+    headers = dict(tunnel_headers(workload, ("10.0.0.1", 40000)))
+    assert headers["baggage"] == (
+        "k8s.namespace.name=shop,k8s.pod.name=client-1,service.name=client-1,service.version=v1"
+    )

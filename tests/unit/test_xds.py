@@ -442,3 +442,28 @@ def test_host_network_pods_sharing_their_nodes_address_are_accepted():
     mesh, rejected = state.apply(response(ADDRESS_TYPE, pods))
     assert rejected == [] and {w.name for w in mesh.workloads} == {"a", "b"}
     assert mesh.workload_by_ip("10.0.0.9") is None
+
+
+def test_grpc_metadata_is_normalized_and_the_token_never_indexed():
+    # Unlike an HBONE connection's own headers, a gRPC call's metadata comes from the
+    # environment: a token with a trailing newline must not reach the wire as it is.
+    from hpack import Decoder, NeverIndexedHeaderTuple
+    from hyperframe.frame import HeadersFrame
+    from twisted.internet import task
+    from twisted.internet.testing import StringTransport
+
+    from ztwisted.xds.grpc import GrpcConnection
+
+    from .h2_support import parse_frames
+
+    conn = GrpcConnection(clock=task.Clock(), authority="istiod.istio-system.svc:15012")
+    transport = StringTransport()
+    conn.makeConnection(transport)
+    conn.handshakeCompleted()
+    transport.clear()
+    conn.call("/x.Y/Z", [("authorization", "Bearer tok123\n"), ("x-tenant", " t1 ")], lambda message: None)
+    (frame,) = [f for f in parse_frames(transport.value()) if isinstance(f, HeadersFrame)]
+    decoded = dict(Decoder().decode(frame.data, raw=False))
+    assert decoded["authorization"] == "Bearer tok123" and decoded["x-tenant"] == "t1"
+    (token,) = [h for h in Decoder().decode(frame.data, raw=False) if h[0] == "authorization"]
+    assert isinstance(token, NeverIndexedHeaderTuple)

@@ -24,13 +24,26 @@ from ztwisted.tls import ServerTLS, peer_identity, tls_factory
 log = Logger()
 
 
+#: longer than any ``[ipv6]:port`` (45 + 2 + 6 characters)
+_LONGEST_AUTHORITY = 64
+
+
+def parse_authority(authority: str) -> tuple[str, int] | None:
+    """``ip:port`` or ``[ipv6]:port`` -> (ip, port), the IP written canonically; None when it is neither."""
+    # A peer chooses what it sends: what cannot be a workload's address (too long, an IPv6
+    # zone ID) is neither parsed nor remembered, so no peer can fill the cache with big keys.
+    if len(authority) > _LONGEST_AUTHORITY or "%" in authority:
+        return None
+    return _parse_authority(authority)
+
+
 # Remembered: a client sends the same few authorities again and again (~3 us each to parse and
 # print back). Bounded, as a peer chooses what it sends.
 @functools.lru_cache(maxsize=1024)
-def parse_authority(authority: str) -> tuple[str, int] | None:
-    """``ip:port`` or ``[ipv6]:port`` -> (ip, port), the IP written canonically; None when it is neither."""
+def _parse_authority(authority: str) -> tuple[str, int] | None:
     host, sep, port_text = authority.rpartition(":")
-    if not sep or not port_text.isdigit():
+    # ASCII digits only: str.isdigit also takes "²" (which int() refuses) and "٨٠" (which it reads as 80)
+    if not sep or not (port_text.isascii() and port_text.isdigit()):
         return None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -254,13 +254,19 @@ def _authority(ip: str, port: int) -> str:
 
 
 def _baggage(workload) -> str:
+    # Stripped, as h2's normalization (not used for the CONNECT) would: a hand-written config's
+    # "client-1 " would otherwise be a header value a peer rejects with the whole connection.
+    def text(value: str | None) -> str:
+        return (value or "").strip()
+
+    name = text(workload.name)
     items = {
-        "k8s.namespace.name": workload.namespace,
-        "k8s.pod.name": workload.name,
-        "service.name": workload.canonical_name or workload.name,
-        "service.version": getattr(workload, "canonical_revision", None),
+        "k8s.namespace.name": text(workload.namespace),
+        "k8s.pod.name": name,
+        "service.name": text(workload.canonical_name) or name,
+        "service.version": text(getattr(workload, "canonical_revision", None)),
     }
-    return ",".join(f"{k}={v}" for k, v in items.items() if v)
+    return ",".join(f"{key}={value}" for key, value in items.items() if value)
 
 
 class _TrackedSocks5(Socks5Protocol):

@@ -129,6 +129,10 @@ class GrpcConnection(HBONEConnection):
 
     def __init__(self, *, clock, authority: str, settings: H2Settings | None = None):
         super().__init__(client=True, clock=clock, settings=settings or H2Settings.client())
+        # An HBONE connection's headers are its own and already normal, so h2 leaves them as they
+        # are. A call's metadata comes from the environment and files (a token with a trailing
+        # newline, XDS_HEADER_* values): h2 strips it and never indexes the credentials.
+        self.h2.config.normalize_outbound_headers = True
         self.authority = authority
 
     def call(self, method: str, metadata: Iterable[tuple[str, str]], on_message: Callable[[bytes], None]) -> GrpcCall:

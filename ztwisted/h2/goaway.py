@@ -185,12 +185,21 @@ class GoawayFilter:
             length = int.from_bytes(view[position : position + 3], "big")
             frame_type = view[position + 3]
             flags = view[position + 4]
-            self._check_limits(length, frame_type, flags)
+            if frame_type != DATA_FRAME_TYPE or not 0 < length <= self._max_frame_size or self._empty_frames_in_a_row:
+                # (A DATA frame that carries bytes within the size, after a frame that did too,
+                # is the usual frame, and one that none of these limits can be hit by.)
+                self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
             # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
             # incomplete one waits in _pending or _held): no more than one frame of checked size.
+            # Plain: no padding or END_STREAM, outside a header block (where it is h2's error to
+            # raise), not on stream 0 (which h2 refuses at its frame header).
             cut_out_data = (
-                cut_out_data_frames and self._plain_data_frame(frame_type, flags) and _stream_id(view, position) != 0
+                cut_out_data_frames
+                and frame_type == DATA_FRAME_TYPE
+                and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+                and not self._in_header_block
+                and int.from_bytes(view[position + 5 : position + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID != 0
             )
             if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
                 self._skip = length
@@ -240,15 +249,6 @@ class GoawayFilter:
         self._held = bytearray()
         return view[taken:]
 
-    def _plain_data_frame(self, frame_type: int, flags: int) -> bool:
-        """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise).
-
-        The caller also leaves DATA on stream 0 to ``h2``, which refuses it at its frame header.
-        """
-        return (
-            frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG) and not self._in_header_block
-        )
-
     def _check_limits(self, length: int, frame_type: int, flags: int) -> None:
         if length > self._max_frame_size:
             raise FrameTooLarge(
@@ -285,10 +285,6 @@ class GoawayFilter:
             raise EmptyFramesFlood(
                 f"{self._empty_frames_in_a_row} empty frames without END_STREAM in a row (last of type {frame_type})"
             )
-
-
-def _stream_id(view: memoryview, frame_start: int) -> int:
-    return int.from_bytes(view[frame_start + 5 : frame_start + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
 
 
 def _decode_goaway_payload(payload: bytes) -> ReceivedGoaway:

@@ -178,6 +178,15 @@ def test_content_length_is_still_counted():
     assert outcomes[1][0] == 1 and outcomes[1][1] == outcomes[0][1]
 
 
+def test_a_tunnel_without_content_length_counts_what_came_as_h2_does():
+    counted = []
+    for server in (Server(lean=False), Server(lean=True)):
+        server.feed(data(b"a" * 100) + data(b"b" * 900))
+        server.feed(data(b"c", flags=["END_STREAM"]))  # h2's own path, which compares the count
+        counted.append((server.taken, server.h2.streams[1]._actual_content_length))
+    assert counted == [(0, 1001), (2, 1001)]
+
+
 def test_frames_the_lean_path_leaves_to_h2():
     server = Server(lean=True)
     oversized = DataFrame(1, data=b"x" * 16385).serialize()  # over h2's maximum frame size

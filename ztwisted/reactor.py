@@ -31,7 +31,9 @@ Twisted's TLS transport sends the writes of a reactor turn together, in a
 object, a heap insertion, the timed-call queue's upkeep) for every burst of
 writes. :class:`AfterEventsClock` turns that ``callLater(0)`` into an
 after-events call: the same moment (once every ready socket of the poll
-was handled, before the reactor waits again) without the timed call.
+was handled, before the reactor waits again) without the timed call
+(ztwisted's own TLS transport, ``tls._WritesOfATurn``, asks the clock's
+reactor for the after-events call itself).
 
 And its loop (:meth:`LeanEPollReactor.mainLoop`) does the upkeep of the timed
 calls only in the turns that have some: Twisted's runs the due timed calls

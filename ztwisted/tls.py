@@ -13,6 +13,7 @@ protocol's ``connectionLost`` receives that error with the reason.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 from OpenSSL import SSL, crypto
@@ -28,7 +29,7 @@ from zope.interface import implementer
 
 from ztwisted.ca import IssuedCertificate
 from ztwisted.identity import SpiffeId, spiffe_ids, uri_sans
-from ztwisted.reactor import write_aggregation_clock
+from ztwisted.reactor import AfterEventsClock, write_aggregation_clock
 from ztwisted.sockets import write_through
 
 try:
@@ -290,13 +291,62 @@ _RECORD_OVERHEAD = 22
 _RECORD_PLAINTEXT = 2**14
 #: bytes asked of the send BIO when the caller does not know how many are there (Twisted's size)
 _SEND_BIO_READ = 2**15
-#: writes at least this big are not held back for the end of the reactor turn (Twisted's limit)
-try:  # Twisted's private aggregator: its limit, or the value it has had since it exists
-    from twisted.protocols.tls import _AggregateSmallWrites
+#: writes at least this big are not held back for the end of the reactor turn (Twisted's
+#: ``_AggregateSmallWrites.MAX_BUFFER_SIZE``)
+_AGGREGATED_BELOW = 64_000
 
-    _AGGREGATED_BELOW = _AggregateSmallWrites.MAX_BUFFER_SIZE
-except (ImportError, AttributeError):  # pragma: no cover
-    _AGGREGATED_BELOW = 64_000
+
+class _WritesOfATurn:
+    """The small writes of a reactor turn, encrypted together once the turn's events were handled.
+
+    Twisted's write aggregation (``_AggregateSmallWrites``), with the same moment, limit and
+    order, in fewer calls per write: the flush is an after-events call of ztwisted's reactor
+    itself (``callLater(0)`` on any other clock) and encrypts through the transport's ``_write``
+    (Twisted goes through its ``_scheduledFlush``, ``flush`` and ``TLSMemoryBIOProtocol.write``).
+    So many streams' frames in one turn still become one TLS write, and one ``send``.
+    """
+
+    __slots__ = ("_transport", "_call_after_events", "_buffer", "_left", "_scheduled")
+
+    def __init__(self, transport: TLSMemoryBIOProtocol, clock: IReactorTime) -> None:
+        self._transport = transport
+        if isinstance(clock, AfterEventsClock):
+            self._call_after_events = clock.reactor.callAfterEvents
+        else:
+            self._call_after_events = functools.partial(clock.callLater, 0)
+        self._buffer: list[bytes] = []
+        self._left = _AGGREGATED_BELOW
+        self._scheduled = None
+
+    def write(self, data: bytes) -> None:
+        self._buffer.append(data + b"")  # a copy of a bytearray (and a TypeError for str), as Twisted's
+        self._left -= len(data)
+        if self._left < 0:
+            self.flush()
+        elif self._scheduled is None:
+            self._scheduled = self._call_after_events(self.flush)
+
+    def flush(self) -> None:
+        """Encrypt what is held, now. A flush scheduled earlier still comes (and finds what was
+        written since, or nothing): cancelling it would cost a call in every turn."""
+        self._scheduled = None
+        if not self._buffer:
+            return
+        data = b"".join(self._buffer)
+        self._buffer = []
+        self._left = _AGGREGATED_BELOW
+        transport = self._transport
+        # TLSMemoryBIOProtocol.write's rule: after loseConnection only a registered producer writes.
+        if not (transport.disconnecting and transport._producer is None):
+            transport._write(data)
+
+    def close(self) -> None:
+        """The connection is lost: what is held is written (as Twisted's), nothing is scheduled."""
+        if self._scheduled is not None:
+            self._scheduled.cancel()
+        self.flush()
+
+
 #: bytes asked of ``SSL_read``, which returns at most one record's plaintext (16 KiB) per call
 _RECORD_READ = 2**15
 
@@ -333,6 +383,13 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
     # Bytes the TCP read being handled brought.
     _ciphertext_received = 0
 
+    def __init__(self, factory, wrappedProtocol, _connectWrapped: bool = True) -> None:
+        super().__init__(factory, wrappedProtocol, _connectWrapped)
+        # Twisted's aggregation replaced by the same in fewer calls (BufferingTLSTransport's
+        # loseConnection flushes it, its connectionLost closes it, as they did Twisted's).
+        self._aggregator = _WritesOfATurn(self, factory._clock)
+        self.write = self._aggregator.write
+
     def makeConnection(self, transport) -> None:
         write_through(transport)
         super().makeConnection(transport)
@@ -352,7 +409,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         ``bytes``. Smaller ones are aggregated as :meth:`write` does.
         """
         if len(data) < _AGGREGATED_BELOW:
-            self.write(bytes(data))
+            self._aggregator.write(data)
             return
         self._aggregator.flush()
         if self._appSendBuffer:  # writes still held from before the handshake ended go first

@@ -21,7 +21,7 @@ import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame
 
 from ztwisted.h2 import lean_data
-from ztwisted.h2.goaway import EmptyFramesFlood, GoawayFilter, encode_goaway
+from ztwisted.h2.goaway import EmptyFramesFlood, FrameTooLarge, GoawayFilter, encode_goaway
 from ztwisted.h2.lean_data import take_data_frame
 
 from .h2_support import parse_frames
@@ -176,6 +176,15 @@ def test_content_length_is_still_counted():
             server.feed(data(b"y", stream_id=3))
         outcomes.append((server.taken, server.h2.data_to_send()))
     assert outcomes[1][0] == 1 and outcomes[1][1] == outcomes[0][1]
+
+
+def test_a_tunnel_without_content_length_counts_what_came_as_h2_does():
+    counted = []
+    for server in (Server(lean=False), Server(lean=True)):
+        server.feed(data(b"a" * 100) + data(b"b" * 900))
+        server.feed(data(b"c", flags=["END_STREAM"]))  # h2's own path, which compares the count
+        counted.append((server.taken, server.h2.streams[1]._actual_content_length))
+    assert counted == [(0, 1001), (2, 1001)]
 
 
 def test_frames_the_lean_path_leaves_to_h2():
@@ -357,6 +366,21 @@ def test_empty_frames_in_a_row_are_a_flood():
     filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     with pytest.raises(EmptyFramesFlood):
         filt.segments(HeadersFrame(3).serialize() + ContinuationFrame(3).serialize())
+
+
+def test_data_frames_with_bytes_still_end_a_run_of_empty_frames_and_still_have_a_size_limit():
+    # The filter skips its limit checks for DATA frames that carry bytes within the size after a
+    # frame that did too; one after an empty frame, or over the size, is still checked.
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=100, max_header_block=65536)
+    empty = data(b"")
+    segments, _ = filt.segments((empty + data(b"x") + data(b"y")) * 3 + empty)
+    assert len(segments) == 10  # every one a plain DATA frame of its own
+    with pytest.raises(EmptyFramesFlood):
+        filt.segments(empty)
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=100, max_header_block=65536)
+    filt.segments(data(b"z" * 100))
+    with pytest.raises(FrameTooLarge):
+        filt.segments(data(b"z" * 101))
 
 
 def window_counts(server: Server) -> tuple:

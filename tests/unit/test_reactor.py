@@ -8,9 +8,11 @@ import threading
 import pytest
 from twisted.application.reactors import getReactorTypes
 from twisted.internet.abstract import FileDescriptor
-from twisted.internet.error import ConnectionDone
+from twisted.internet.error import ConnectionDone, ConnectionFdescWentAway, ConnectionLost
+from twisted.internet.interfaces import IHalfCloseableDescriptor
 from twisted.internet.main import CONNECTION_DONE
 from twisted.python import log as legacy_log
+from zope.interface import implementer
 
 from ztwisted.reactor import AfterEventsClock, LeanEPollReactor, install_unless_chosen, write_aggregation_clock
 
@@ -124,6 +126,64 @@ def test_an_exception_from_connection_lost_is_logged_and_the_rest_of_the_poll_is
         event.get("log_failure") and event["log_failure"].check(ZeroDivisionError) and "LostRaises" in repr(event)
         for event in logged
     )
+
+
+def test_a_half_closeable_descriptor_whose_read_ends_is_half_closed_not_lost(lean_reactor, pairs):
+    # A readable-only event is handled in the reactor's loop itself: it keeps Twisted's
+    # distinction between the end of reading (half-close) and a lost connection.
+    @implementer(IHalfCloseableDescriptor)
+    class HalfCloseable(Readable):
+        def readConnectionLost(self, reason) -> None:
+            self.read_lost = reason
+
+    ours, theirs = pairs()
+    readable = HalfCloseable(lean_reactor, ours, lambda r: (read_all(r), CONNECTION_DONE)[1])
+    lean_reactor.addReader(readable)
+    theirs.send(b"x")
+    lean_reactor.doIteration(1)
+    assert readable.read_lost.check(ConnectionDone) and readable.lost == []
+
+
+def test_a_ready_descriptor_whose_fileno_is_minus_one_is_lost_without_a_read(lean_reactor, pairs):
+    ours, theirs = pairs()
+    readable = Readable(lean_reactor, ours, read_all)
+    lean_reactor.addReader(readable)
+    theirs.send(b"x")
+    readable.fileno = lambda: -1  # as Twisted's FileDescriptor once it closed its file
+    lean_reactor.doIteration(1)
+    assert readable.reads == 0
+    assert [reason.type for reason in readable.lost] == [ConnectionFdescWentAway]
+
+
+def test_a_descriptor_both_readable_and_writable_is_read_then_written(lean_reactor, pairs):
+    written = []
+
+    class ReadsAndWrites(Readable):
+        def doWrite(self):
+            written.append(self.reads)
+            lean_reactor.removeWriter(self)
+
+    ours, theirs = pairs()
+    readable = ReadsAndWrites(lean_reactor, ours, read_all)
+    lean_reactor.addReader(readable)
+    lean_reactor.addWriter(readable)
+    theirs.send(b"x")
+    lean_reactor.doIteration(1)
+    assert readable.reads == 1 and written == [1]
+
+
+def test_a_hung_up_descriptor_with_nothing_left_to_read_is_lost_as_twisted_decides(lean_reactor, pairs):
+    ours, theirs = pairs()
+    readable = Readable(lean_reactor, ours, read_all)
+    lean_reactor.addWriter(readable)  # writing only: a hangup is then a lost connection
+    theirs.close()
+    readable.doWrite = lambda: None
+    for _ in range(3):
+        if readable.lost:
+            break
+        lean_reactor.doIteration(1)
+    assert readable.reads == 0
+    assert [reason.type for reason in readable.lost] == [ConnectionLost]
 
 
 def test_a_descriptor_removed_by_an_earlier_handler_of_the_same_poll_is_not_called(lean_reactor, pairs):

@@ -26,6 +26,7 @@ from zope.interface import implementer
 import ztwisted.tls
 from ztwisted.ca import CertificateAuthority, IssuedCertificate, create_files
 from ztwisted.identity import SpiffeId
+from ztwisted.reactor import LeanEPollReactor
 from ztwisted.tls import (
     ALPN_H2,
     ClientTLS,
@@ -81,11 +82,12 @@ class Link:
     server: Peer = attr.ib()
 
 
-def connect(server_creator, client_creator, *, client_through_tls_factory: bool = False) -> Link:
+def connect(server_creator, client_creator, *, client_through_tls_factory: bool = False, client_reactor=None) -> Link:
     """Handshake in memory (deterministic), pumping until both sides are quiet.
 
     The client side is ztwisted's own TLS transport (:func:`tls_factory`) if asked,
-    else, like the server side, Twisted's.
+    else, like the server side, Twisted's; ``client_reactor`` is the reactor its writes
+    are aggregated on (the pump's clock if not given).
     """
     clock = task.Clock()
     address = IPv4Address("TCP", "127.0.0.1", 15008)
@@ -96,7 +98,7 @@ def connect(server_creator, client_creator, *, client_through_tls_factory: bool 
 
     server_factory = wrap(server_creator, False)
     if client_through_tls_factory:
-        client_factory = tls_factory(client_creator, True, Factory.forProtocol(Peer), clock)
+        client_factory = tls_factory(client_creator, True, Factory.forProtocol(Peer), client_reactor or clock)
     else:
         client_factory = wrap(client_creator, True)
     client_tls, server_tls, pump = iosim.connectedServerAndClient(
@@ -737,3 +739,81 @@ def test_tls_factory_write_buffer_sends_a_bytearray_it_is_given(server_cert, cli
     link.client_tls.write_buffer(bytearray(b", and a small one"))
     link.pump.flush()
     assert link.server.received == b"small, " + bytes(big) + b", and a small one"
+
+
+@pytest.fixture
+def lean_reactor():
+    reactor = LeanEPollReactor()
+    yield reactor
+    reactor.waker.connectionLost(None)
+    reactor._poller.close()
+
+
+def _link_aggregated_on(lean_reactor, server_cert, client_cert) -> tuple[Link, list[int], list[int]]:
+    """A link whose client aggregates its writes on ``lean_reactor``, with its SSL_write and TCP writes counted."""
+    link = connect(
+        server_for(server_cert), client_for(client_cert), client_through_tls_factory=True, client_reactor=lean_reactor
+    )
+    assert link.client.handshake_done and link.server.handshake_done
+    ssl_writes, tcp_writes = [], []
+    encrypt = link.client_tls._encrypt
+    link.client_tls._encrypt = lambda data: (ssl_writes.append(len(data)), encrypt(data))[1]  # probes only
+    tcp_write = link.client_tls.transport.write
+    link.client_tls.transport.write = lambda data: (tcp_writes.append(len(data)), tcp_write(data))
+    return link, ssl_writes, tcp_writes
+
+
+def test_the_small_writes_of_a_reactor_turn_are_one_tls_write_after_its_events(
+    lean_reactor, server_cert, client_cert, encrypting
+):
+    """Many streams' frames in one turn: one SSL_write and one TCP write, once the turn's events were handled."""
+    link, ssl_writes, tcp_writes = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    frames = [b"frame %d;" % i for i in range(16)]
+    for frame in frames[:8]:
+        link.client_tls.write(frame)
+    for frame in frames[8:]:
+        link.client_tls.write_buffer(bytearray(frame))  # h2's buffer, given away
+    assert ssl_writes == [] and tcp_writes == []
+    lean_reactor.doIteration(0)  # the end of the turn: its after-events calls
+    assert ssl_writes == [sum(map(len, frames))] and len(tcp_writes) == 1
+    lean_reactor.doIteration(0)  # nothing left for a later turn
+    assert len(ssl_writes) == 1
+    link.pump.flush()
+    assert link.server.received == b"".join(frames)
+
+
+def test_small_writes_past_the_aggregation_limit_are_encrypted_at_once_in_order(lean_reactor, server_cert, client_cert):
+    link, ssl_writes, tcp_writes = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    first, second, third = b"a" * 40_000, b"b" * 30_000, b"c" * 10
+    for data in (first, second, third):
+        link.client_tls.write(data)
+    assert ssl_writes == [70_000]  # the limit passed: encrypted before the turn ended
+    lean_reactor.doIteration(0)
+    assert ssl_writes == [70_000, 10] and len(tcp_writes) == 2
+    link.pump.flush()
+    assert link.server.received == first + second + third
+
+
+def test_writes_of_the_turn_go_before_close_notify_and_later_ones_are_dropped(lean_reactor, server_cert, client_cert):
+    """loseConnection sends what the turn wrote first; after it (no producer) writes are dropped, as in Twisted."""
+    link, ssl_writes, _ = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    link.client_tls.write(b"last words")
+    link.client_tls.loseConnection()
+    link.client_tls.write(b" and more")
+    lean_reactor.doIteration(0)
+    link.pump.flush()
+    assert ssl_writes == [len(b"last words")]
+    assert link.server.received == b"last words"
+    assert link.server.lost is not None and link.server.lost.check(ConnectionDone), link.server.lost
+
+
+def test_what_a_turn_wrote_before_the_connection_was_lost_is_not_written_afterwards(
+    lean_reactor, server_cert, client_cert
+):
+    link, ssl_writes, _ = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    link.client_tls.write(b"in flight")
+    link.client_tls.connectionLost(Failure(ConnectionDone()))  # written then, as Twisted's aggregation does
+    count = len(ssl_writes)
+    link.client_tls.write(b"after the end")
+    lean_reactor.doIteration(0)  # the flush scheduled before the loss finds nothing
+    assert len(ssl_writes) == count

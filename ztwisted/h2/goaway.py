@@ -158,19 +158,17 @@ class GoawayFilter:
     def segments(self, data: bytes, cut_out_data_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
         """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
 
-        Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each
-        DATA frame without padding and without END_STREAM that is not inside a header
-        block is a segment of its own, flagged True (for
-        :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until it is complete
-        (as ``h2`` would buffer it); everything else comes in runs flagged False. A whole
-        DATA frame is not copied: it is a ``memoryview`` of ``data``, or the ``bytearray``
-        it was held in, valid until the next call.
+        Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each plain DATA
+        frame (no padding or END_STREAM, outside a header block, where it is h2's error to raise,
+        and not on stream 0, which h2 refuses at its header) is a segment of its own, flagged True
+        (for :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until whole (as ``h2``
+        would buffer it), and not copied: a ``memoryview`` of ``data``, or the ``bytearray`` it was
+        held in, valid until the next call. Everything else comes in runs flagged False.
         """
-        segments: list[Segment] = []
+        segments, goaways = [], []  # list[Segment], list[ReceivedGoaway]
         position = 0
         if self._held_missing or self._pending or self._preface_left:
             data, position = self._continue_from_earlier_reads(data, segments)
-        goaways: list[ReceivedGoaway] = []
         view = memoryview(data)
         end = len(data)
         start_of_run = 0
@@ -185,13 +183,15 @@ class GoawayFilter:
             length = int.from_bytes(view[position : position + 3], "big")
             frame_type = view[position + 3]
             flags = view[position + 4]
-            self._check_limits(length, frame_type, flags)
+            if frame_type != DATA_FRAME_TYPE or not 0 < length <= self._max_frame_size or self._empty_frames_in_a_row:
+                # (not for the usual frame, DATA with bytes within the size after one with bytes: no limit to hit)
+                self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
             # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
             # incomplete one waits in _pending or _held): no more than one frame of checked size.
-            cut_out_data = (
-                cut_out_data_frames and self._plain_data_frame(frame_type, flags) and _stream_id(view, position) != 0
-            )
+            plain_data = frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+            stream_id = int.from_bytes(view[position + 5 : position + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
+            cut_out_data = cut_out_data_frames and plain_data and not self._in_header_block and stream_id != 0
             if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
@@ -240,15 +240,6 @@ class GoawayFilter:
         self._held = bytearray()
         return view[taken:]
 
-    def _plain_data_frame(self, frame_type: int, flags: int) -> bool:
-        """DATA without padding or END_STREAM, outside a header block (where it is h2's error to raise).
-
-        The caller also leaves DATA on stream 0 to ``h2``, which refuses it at its frame header.
-        """
-        return (
-            frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG) and not self._in_header_block
-        )
-
     def _check_limits(self, length: int, frame_type: int, flags: int) -> None:
         if length > self._max_frame_size:
             raise FrameTooLarge(
@@ -285,10 +276,6 @@ class GoawayFilter:
             raise EmptyFramesFlood(
                 f"{self._empty_frames_in_a_row} empty frames without END_STREAM in a row (last of type {frame_type})"
             )
-
-
-def _stream_id(view: memoryview, frame_start: int) -> int:
-    return int.from_bytes(view[frame_start + 5 : frame_start + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
 
 
 def _decode_goaway_payload(payload: bytes) -> ReceivedGoaway:

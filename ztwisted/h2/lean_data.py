@@ -57,6 +57,7 @@ otherwise every frame simply goes to ``h2``.
 from __future__ import annotations
 
 import h2
+import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
@@ -84,7 +85,7 @@ H2_INTERNALS = (
     "H2Stream.state_machine.state",
     "H2Stream.state_machine.headers_received",
     "H2Stream._inbound_window_manager",
-    "H2Stream._track_content_length",
+    "H2Stream._track_content_length, _expected_content_length, _actual_content_length",
     "WindowManager.current_window_size, max_window_size, _bytes_processed (read and changed as h2 does)",
 )
 
@@ -96,6 +97,11 @@ CHECKED_H2_RELEASES = ("4.4",)
 
 def _h2_is_checked() -> bool:
     return ".".join(h2.__version__.split(".")[:2]) in CHECKED_H2_RELEASES
+
+
+def _stream_counts_content_length() -> bool:
+    stream = h2.stream.H2Stream(1, h2.config.H2Configuration(), 0, 0)
+    return stream._expected_content_length is None and stream._actual_content_length == 0
 
 
 def _h2_has_the_internals() -> bool:
@@ -112,6 +118,7 @@ def _h2_has_the_internals() -> bool:
         and hasattr(probe, "_terminate_connection")
         and isinstance(getattr(probe, "_data_to_send", None), bytearray)
         and hasattr(h2.stream.H2Stream, "_track_content_length")
+        and _stream_counts_content_length()
         and hasattr(h2.stream.H2StreamStateMachine(1), "headers_received")
         and hasattr(probe._inbound_flow_control_window_manager, "_bytes_processed")
     )
@@ -163,7 +170,10 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
             window.current_window_size -= length
             if window.current_window_size < 0:
                 raise h2.exceptions.FlowControlError("Flow control window shrunk below 0")
-        stream._track_content_length(length, False)
+        if stream._expected_content_length is None:  # a tunnel: h2 only counts what came
+            stream._actual_content_length += length
+        else:
+            stream._track_content_length(length, False)
     except h2.exceptions.ProtocolError as e:
         h2conn._terminate_connection(e.error_code)
         raise

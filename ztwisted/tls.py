@@ -39,6 +39,26 @@ try:
 except ImportError:  # pragma: no cover
     _ffi = _lib = None
 
+#: what the direct paths call
+_DIRECT_CALLS = (
+    "SSL_read",
+    "SSL_write",
+    "SSL_get_error",
+    "SSL_ERROR_WANT_READ",
+    "BIO_read",
+    "BIO_write",
+    "BIO_get_mem_data",
+)
+
+
+def _bindings_fit(lib) -> bool:
+    """Whether OpenSSL's bindings have every function the direct paths call: without one (a later
+    cryptography may drop any), every connection uses pyOpenSSL's public methods."""
+    return lib is not None and all(hasattr(lib, name) for name in _DIRECT_CALLS)
+
+
+_BINDINGS_FIT = _bindings_fit(_lib)
+
 #: allocates cffi buffers without zeroing them first (they are written before being read)
 _no_zero_buffer = _ffi.new_allocator(should_clear_after_alloc=False) if _ffi is not None else None
 
@@ -374,10 +394,10 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
     #: False (for every connection) once the direct ``SSL_read`` path found this pyOpenSSL's
     #: internals not to fit; then every read goes through the public ``recv``
-    decrypts_directly = True
+    decrypts_directly = _BINDINGS_FIT
     #: the same for ``SSL_write`` and the memory BIOs: then pyOpenSSL's ``send``, ``bio_write``
     #: and ``bio_read`` (also without pyOpenSSL's bindings at all)
-    encrypts_directly = _ffi is not None
+    encrypts_directly = _BINDINGS_FIT
     # While an abort runs: what it encrypts (a close_notify) is dropped, not sent.
     _dropping_output = False
     # Bytes the TCP read being handled brought.

@@ -817,3 +817,20 @@ def test_what_a_turn_wrote_before_the_connection_was_lost_is_not_written_afterwa
     link.client_tls.write(b"after the end")
     lean_reactor.doIteration(0)  # the flush scheduled before the loss finds nothing
     assert len(ssl_writes) == count
+
+
+def test_the_direct_paths_are_used_only_with_bindings_that_have_all_they_call():
+    # A cryptography without one of the functions (an AttributeError at the first call, not the
+    # TypeError the switch handles) leaves every connection to pyOpenSSL's public methods.
+    from types import SimpleNamespace
+
+    from OpenSSL._util import lib
+
+    everything = {name: getattr(lib, name) for name in ztwisted.tls._DIRECT_CALLS}
+    assert ztwisted.tls._bindings_fit(SimpleNamespace(**everything))
+    assert ztwisted.tls._BINDINGS_FIT, "this machine's bindings fit: the direct paths are tested"
+    for missing in ztwisted.tls._DIRECT_CALLS:
+        assert not ztwisted.tls._bindings_fit(
+            SimpleNamespace(**{name: value for name, value in everything.items() if name != missing})
+        )
+    assert not ztwisted.tls._bindings_fit(None)

@@ -140,6 +140,20 @@ def test_a_write_the_kernel_refuses_with_an_error_is_reported_as_the_connection_
 
 
 @pytest_twisted.inlineCallbacks
+def test_the_peers_fin_ends_a_write_through_connection_cleanly():
+    # doRead's empty read is the end: without that check the socket would stay readable forever.
+    transport, client = yield _connected_pair()
+    recorder = _RecordingLoss()
+    transport.protocol = recorder
+    write_through(transport)
+    client.sendall(b"last words")
+    client.close()
+    yield recorder.lost
+    assert [reason.check(ConnectionLost, ConnectionDone) for reason in recorder.reasons] == [ConnectionDone]
+    assert not transport.connected
+
+
+@pytest_twisted.inlineCallbacks
 def test_other_transports_are_left_alone():
     from twisted.internet.testing import StringTransport
 

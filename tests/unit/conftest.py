@@ -38,3 +38,15 @@ def no_cyclic_gc():
     gc.disable()
     yield
     gc.enable()
+
+
+@pytest.fixture
+def lean_reactor():
+    """A :class:`ztwisted.reactor.LeanEPollReactor` of the test's own (not installed)."""
+    from ztwisted.reactor import LeanEPollReactor
+
+    reactor = LeanEPollReactor()
+    yield reactor
+    # Not removeAll(): the test's sockets may be closed already, and closing epoll forgets them.
+    reactor.waker.connectionLost(None)
+    reactor._poller.close()

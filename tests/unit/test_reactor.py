@@ -44,15 +44,6 @@ def read_all(readable: Readable):
 
 
 @pytest.fixture
-def lean_reactor():
-    reactor = LeanEPollReactor()
-    yield reactor
-    # Not removeAll(): the test's sockets may be closed already, and closing epoll forgets them.
-    reactor.waker.connectionLost(None)
-    reactor._poller.close()
-
-
-@pytest.fixture
 def pairs():
     made = []
 

@@ -26,7 +26,6 @@ from zope.interface import implementer
 import ztwisted.tls
 from ztwisted.ca import CertificateAuthority, IssuedCertificate, create_files
 from ztwisted.identity import SpiffeId
-from ztwisted.reactor import LeanEPollReactor
 from ztwisted.tls import (
     ALPN_H2,
     ClientTLS,
@@ -739,14 +738,6 @@ def test_tls_factory_write_buffer_sends_a_bytearray_it_is_given(server_cert, cli
     link.client_tls.write_buffer(bytearray(b", and a small one"))
     link.pump.flush()
     assert link.server.received == b"small, " + bytes(big) + b", and a small one"
-
-
-@pytest.fixture
-def lean_reactor():
-    reactor = LeanEPollReactor()
-    yield reactor
-    reactor.waker.connectionLost(None)
-    reactor._poller.close()
 
 
 def _link_aggregated_on(lean_reactor, server_cert, client_cert) -> tuple[Link, list[int], list[int]]:

@@ -644,6 +644,21 @@ def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, c
     assert client.received == payload
 
 
+def test_writes_still_held_from_before_the_handshake_go_out_when_the_next_read_comes(
+    server_cert, client_cert, encrypting
+):
+    """Twisted holds writes OpenSSL could not take yet (a TLS 1.2 renegotiation; never with TLS
+    1.3) and sends them when the peer's next bytes arrive: the direct read path leaves that to
+    Twisted, before the bytes are decrypted."""
+    link, client = _counting_link(server_cert, client_cert)
+    link.client_tls._appSendBuffer.append(b"held back")
+    link.server_tls.write(b"the peer's next bytes")
+    link.pump.flush()
+    assert client.received == b"the peer's next bytes"
+    assert link.server.received == b"held back"
+    assert link.client_tls._appSendBuffer == []
+
+
 def test_tls_factory_delivers_data_before_the_close_notify_that_follows_it(
     server_cert, client_cert, decrypting, encrypting
 ):

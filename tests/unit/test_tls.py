@@ -784,8 +784,12 @@ def test_the_small_writes_of_a_reactor_turn_are_one_tls_write_after_its_events(
     assert ssl_writes == [sum(map(len, frames))] and len(tcp_writes) == 1
     lean_reactor.doIteration(0)  # nothing left for a later turn
     assert len(ssl_writes) == 1
+    for turn in range(3):  # and every later turn's writes are flushed at its own end
+        link.client_tls.write(b"turn %d;" % turn)
+        lean_reactor.doIteration(0)
+    assert len(ssl_writes) == 4
     link.pump.flush()
-    assert link.server.received == b"".join(frames)
+    assert link.server.received == b"".join(frames) + b"turn 0;turn 1;turn 2;"
 
 
 def test_small_writes_past_the_aggregation_limit_are_encrypted_at_once_in_order(lean_reactor, server_cert, client_cert):
@@ -818,7 +822,8 @@ def test_what_a_turn_wrote_before_the_connection_was_lost_is_not_written_afterwa
 ):
     link, ssl_writes, _ = _link_aggregated_on(lean_reactor, server_cert, client_cert)
     link.client_tls.write(b"in flight")
-    link.client_tls.connectionLost(Failure(ConnectionDone()))  # written then, as Twisted's aggregation does
+    link.client_tls.connectionLost(Failure(ConnectionDone()))
+    assert ssl_writes == [len(b"in flight")], "written then, as Twisted's aggregation does"
     count = len(ssl_writes)
     link.client_tls.write(b"after the end")
     lean_reactor.doIteration(0)  # the flush scheduled before the loss finds nothing

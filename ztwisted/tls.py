@@ -356,8 +356,10 @@ class _WritesOfATurn:
         self._buffer = []
         self._left = _AGGREGATED_BELOW
         transport = self._transport
-        # TLSMemoryBIOProtocol.write's rule: after loseConnection only a registered producer writes.
-        if not (transport.disconnecting and transport._producer is None):
+        # TLSMemoryBIOProtocol.write's rule: after loseConnection only a registered producer
+        # writes. After an abort nothing does (Twisted's would, and OpenSSL's refusal would then
+        # be the reason the protocol is told).
+        if not (transport._aborted or (transport.disconnecting and transport._producer is None)):
             transport._write(data)
 
     def close(self) -> None:

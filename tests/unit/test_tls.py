@@ -830,6 +830,20 @@ def test_what_a_turn_wrote_before_the_connection_was_lost_is_not_written_afterwa
     assert len(ssl_writes) == count
 
 
+def test_a_turns_writes_are_dropped_when_the_connection_is_aborted_in_it(lean_reactor, server_cert, client_cert):
+    """An abort ends TLS at once: the turn's held writes are not encrypted after it (with a
+    producer registered, as an HBONE connection has, OpenSSL refused them and that error
+    became the reason the protocol was told)."""
+    link, ssl_writes, _ = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    link.client_tls.registerProducer(link.client, True)
+    link.client_tls.write(b"held until the end of the turn")
+    link.client_tls.abortConnection()
+    lean_reactor.doIteration(0)
+    link.pump.flush()
+    assert ssl_writes == []
+    assert link.client.lost is not None and not link.client.lost.check(SSL.Error), link.client.lost
+
+
 def test_the_direct_paths_are_used_only_with_bindings_that_have_all_they_call():
     # A cryptography without one of the functions (an AttributeError at the first call, not the
     # TypeError the switch handles) leaves every connection to pyOpenSSL's public methods.

@@ -32,7 +32,7 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from ztwisted.h2 import lean_data
+from ztwisted.h2 import lean_data, lean_streams
 from ztwisted.h2.admission import StreamAdmission, let_h2_accept_any_number_of_streams
 from ztwisted.h2.events import EventHandlers
 from ztwisted.h2.flow import FlowControl
@@ -226,8 +226,8 @@ class HBONEConnection(Protocol):
             return
         self.keepalive.heard_from_peer()
         try:
-            segments, goaways = self._goaway_filter.segments(data, cut_out_data_frames=lean_data.ENABLED)
-            events = lean_data.receive(self.h2, segments)
+            segments, goaways = self._goaway_filter.segments(data, cut_out_frames=lean_data.ENABLED)
+            events = lean_streams.receive(self.h2, segments)
         except (h2.exceptions.ProtocolError, FrameLimitExceeded) as e:
             self.shutdown.protocol_error(e)
             return
@@ -283,7 +283,7 @@ class HBONEConnection(Protocol):
             return defer.fail(StreamRefused("connection no longer takes new streams"))
         stream_id = self.h2.get_next_available_stream_id()
         request = [(":method", "CONNECT"), (":authority", authority), *headers]
-        self.h2.send_headers(stream_id, request)
+        lean_streams.send_headers(self.h2, stream_id, request)
         stream = Stream(self, stream_id, dict(request))
         self.streams[stream_id] = stream
         self.send_pending()
@@ -379,7 +379,7 @@ class HBONEConnection(Protocol):
         """Queue a HEADERS frame (the caller then calls :meth:`send_pending`); False when h2 has
         closed the stream already, as when the peer reset it in the same read as its request."""
         try:
-            self.h2.send_headers(stream.stream_id, headers, end_stream=end_stream)
+            lean_streams.send_headers(self.h2, stream.stream_id, headers, end_stream)
         except h2.exceptions.StreamClosedError:
             return False
         return True

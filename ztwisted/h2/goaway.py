@@ -152,18 +152,19 @@ class GoawayFilter:
 
     def feed(self, data: bytes) -> tuple[bytes, list[ReceivedGoaway]]:
         """Return the bytes for ``h2`` and the GOAWAY frames found in ``data``."""
-        segments, goaways = self.segments(data, cut_out_data_frames=False)
+        segments, goaways = self.segments(data, cut_out_frames=False)
         return b"".join(segment for segment, _ in segments), goaways
 
-    def segments(self, data: bytes, cut_out_data_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
+    def segments(self, data: bytes, cut_out_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
         """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
 
-        Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each plain DATA
-        frame (no padding or END_STREAM, outside a header block, where it is h2's error to raise,
-        and not on stream 0, which h2 refuses at its header) is a segment of its own, flagged True
-        (for :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until whole (as ``h2``
-        would buffer it), and not copied: a ``memoryview`` of ``data``, or the ``bytearray`` it was
-        held in, valid until the next call. Everything else comes in runs flagged False.
+        Each segment is ``(bytes, whole_frame)``: with ``cut_out_frames``, each DATA frame without
+        padding and each HEADERS frame with END_HEADERS and no other flag (outside a header block,
+        where either is h2's error to raise, and not on stream 0, which h2 refuses at its header) is a
+        segment of its own, flagged True (for :func:`~ztwisted.h2.lean_streams.receive`), held back
+        until whole (as ``h2`` would buffer it), and not copied: a ``memoryview`` of ``data``, or the
+        ``bytearray`` it was held in, valid until the next call. Everything else comes in runs
+        flagged False.
         """
         segments, goaways = [], []  # list[Segment], list[ReceivedGoaway]
         position = 0
@@ -187,25 +188,27 @@ class GoawayFilter:
                 # (not for the usual frame, DATA with bytes within the size after one with bytes: no limit to hit)
                 self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
-            # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
-            # incomplete one waits in _pending or _held): no more than one frame of checked size.
-            plain_data = frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+            # GOAWAY frames, and the frames a lean path may take if asked, are cut out of the run
+            # whole (an incomplete one waits in _pending or _held): no more than one frame of checked size.
+            lean_frame = (frame_type == DATA_FRAME_TYPE and not flags & PADDED_FLAG) or (
+                frame_type == HEADERS_FRAME_TYPE and flags == END_HEADERS_FLAG
+            )
             stream_id = int.from_bytes(view[position + 5 : position + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
-            cut_out_data = cut_out_data_frames and plain_data and not self._in_header_block and stream_id != 0
-            if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
+            cut_out = cut_out_frames and lean_frame and not self._in_header_block and stream_id != 0
+            if frame_type != GOAWAY_FRAME_TYPE and not cut_out:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
                 continue
             if frame_type == GOAWAY_FRAME_TYPE and length > MAX_GOAWAY_PAYLOAD:
                 raise GoawayTooLarge(f"GOAWAY frame of {length} bytes")
-            if frame_end > end and not cut_out_data:
+            if frame_end > end and not cut_out:
                 break
             if start_of_run < position:
                 segments.append((bytes(view[start_of_run:position]), False))
             if frame_end > end:
                 self._held, self._held_missing = bytearray(view[position:end]), frame_end - end
                 return segments, goaways
-            if cut_out_data:
+            if cut_out:
                 segments.append((view[position:frame_end], True))  # not copied: the lean path copies the payload
             else:
                 goaways.append(_decode_goaway_payload(bytes(view[position + FRAME_HEADER_LENGTH : frame_end])))

@@ -44,6 +44,12 @@ Buffer = bytes | bytearray | memoryview
 #: a whole DATA frame is not copied out of what was received (a view of it, or the frame held)
 Segment = tuple[Buffer, bool]
 
+#: the frames the lean paths may take, as ``type << 8 | flags``: DATA, with END_STREAM or without
+#: (:mod:`~ztwisted.h2.lean_data`), and HEADERS with END_HEADERS alone (:mod:`~ztwisted.h2.lean_streams`)
+LEAN_FRAME_KINDS = frozenset(
+    {DATA_FRAME_TYPE << 8, DATA_FRAME_TYPE << 8 | END_STREAM_FLAG, HEADERS_FRAME_TYPE << 8 | END_HEADERS_FLAG}
+)
+
 # A GOAWAY carries at most a short debug text in practice; anything bigger is
 # an attempt to make us buffer, so it is treated as a protocol violation.
 MAX_GOAWAY_PAYLOAD = 16 * 1024
@@ -158,13 +164,12 @@ class GoawayFilter:
     def segments(self, data: bytes, cut_out_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
         """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
 
-        Each segment is ``(bytes, whole_frame)``: with ``cut_out_frames``, each DATA frame without
-        padding and each HEADERS frame with END_HEADERS and no other flag (outside a header block,
-        where either is h2's error to raise, and not on stream 0, which h2 refuses at its header) is a
-        segment of its own, flagged True (for :func:`~ztwisted.h2.lean_streams.receive`), held back
-        until whole (as ``h2`` would buffer it), and not copied: a ``memoryview`` of ``data``, or the
-        ``bytearray`` it was held in, valid until the next call. Everything else comes in runs
-        flagged False.
+        Each segment is ``(bytes, whole_frame)``: with ``cut_out_frames``, each frame of
+        :data:`LEAN_FRAME_KINDS` (outside a header block, where it is h2's error to raise, and not on
+        stream 0, which h2 refuses at its header) is a segment of its own, flagged True (for
+        :func:`~ztwisted.h2.lean_streams.receive`), held back until whole (as ``h2`` would buffer it), and
+        not copied: a ``memoryview`` of ``data``, or the ``bytearray`` it was held in, valid until the
+        next call. Everything else comes in runs flagged False.
         """
         segments, goaways = [], []  # list[Segment], list[ReceivedGoaway]
         position = 0
@@ -188,13 +193,11 @@ class GoawayFilter:
                 # (not for the usual frame, DATA with bytes within the size after one with bytes: no limit to hit)
                 self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
-            # GOAWAY frames, and the frames a lean path may take if asked, are cut out of the run
-            # whole (an incomplete one waits in _pending or _held): no more than one frame of checked size.
-            lean_frame = (frame_type == DATA_FRAME_TYPE and not flags & PADDED_FLAG) or (
-                frame_type == HEADERS_FRAME_TYPE and flags == END_HEADERS_FLAG
-            )
+            # GOAWAY frames, and if asked the frames a lean path may take, are cut out of the run whole
+            # (an incomplete one waits in _pending or _held): no more than one frame of checked size.
+            lean = (frame_type << 8 | flags) in LEAN_FRAME_KINDS
             stream_id = int.from_bytes(view[position + 5 : position + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
-            cut_out = cut_out_frames and lean_frame and not self._in_header_block and stream_id != 0
+            cut_out = cut_out_frames and lean and not self._in_header_block and stream_id != 0
             if frame_type != GOAWAY_FRAME_TYPE and not cut_out:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH

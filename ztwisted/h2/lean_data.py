@@ -133,14 +133,16 @@ ENABLED = _h2_is_checked() and _h2_has_the_internals()
 def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2.events.Event] | None:
     """Receive one whole DATA frame (header included) as ``h2`` would, or None: give it to ``h2``.
 
-    Raises ``h2``'s ``FlowControlError`` or ``InvalidBodyLengthError`` (``ProtocolError``\ s) when the
+    Raises ``h2``'s ``FlowControlError`` or ``InvalidBodyLengthError`` (both ``ProtocolError``) when the
     frame overruns a window or a content-length, after ``h2`` queued its GOAWAY, as ``receive_data`` does.
     """
     length = len(frame) - FRAME_HEADER_LENGTH
     connection_state = h2conn.state_machine.state
     flags = frame[4]
-    if flags & PADDED_FLAG or length > h2conn.max_inbound_frame_size or (
-        connection_state is not _CLIENT_OPEN and connection_state is not _SERVER_OPEN
+    if (
+        flags & PADDED_FLAG
+        or length > h2conn.max_inbound_frame_size
+        or (connection_state is not _CLIENT_OPEN and connection_state is not _SERVER_OPEN)
     ):
         return None
     buffered = h2conn.incoming_buffer

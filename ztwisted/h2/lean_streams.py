@@ -101,6 +101,7 @@ def _h2_has_the_internals() -> bool:
 #: False if lean_data is off or this h2 lacks what this module uses: then every frame goes to h2
 ENABLED = lean_data.ENABLED and _h2_has_the_internals()
 
+
 def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool]]) -> list[h2.events.Event]:
     """``h2``'s events for received bytes in :meth:`~ztwisted.h2.goaway.GoawayFilter.segments`, in order.
 
@@ -139,7 +140,7 @@ def _plain_fields(headers: list, pseudo_names: frozenset) -> bool:
     count = len(pseudo_names)
     if len(headers) < count or {header[0] for header in headers[:count]} != pseudo_names:
         return False
-    for name, value in headers[:count]:
+    for _name, value in headers[:count]:
         if _PLAIN_VALUE(value) is None:
             return False
     for name, value in headers[count:]:
@@ -181,9 +182,15 @@ def take_headers_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.eve
     try:
         headers = h2.connection._decode_headers(h2conn.decoder, bytes(frame[FRAME_HEADER_LENGTH:]))
         if client:
-            return [_response_received(h2conn, stream, headers)] if plain_response(headers) else _by_h2(h2conn, stream, headers)
+            return (
+                [_response_received(h2conn, stream, headers)]
+                if plain_response(headers)
+                else _by_h2(h2conn, stream, headers)
+            )
         stream = h2conn._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
-        return [_request_received(h2conn, stream, headers)] if plain_request(headers) else _by_h2(h2conn, stream, headers)
+        return (
+            [_request_received(h2conn, stream, headers)] if plain_request(headers) else _by_h2(h2conn, stream, headers)
+        )
     except h2.exceptions.ProtocolError as e:
         h2conn._terminate_connection(e.error_code)
         raise

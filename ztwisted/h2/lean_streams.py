@@ -35,8 +35,8 @@ taken by :func:`~ztwisted.h2.lean_data.take_data_frame`.
 
 Sent HEADERS (:func:`send_headers`): the CONNECT request opening the next
 stream of a client, and the final response of a server (not informational)
-to a request; the headers are ztwisted's own, as plain ``(str, str)`` tuples,
-and ``h2`` is configured to neither validate nor normalize sent headers (the
+to a request; the headers are ztwisted's own (``str`` or ``bytes``, plain tuples
+or HPACK's header tuples, whose never-indexed kind is kept), and ``h2`` is configured to neither validate nor normalize sent headers (the
 HBONE configuration). Encoded with ``h2``'s encoder and framed as ``h2``
 frames them (CONTINUATION frames past the maximum frame size). Sent
 END_STREAM (:func:`end_stream`): an empty DATA frame on a stream open for
@@ -55,6 +55,7 @@ import h2.events
 import h2.exceptions
 import h2.stream
 import h2.utilities
+import hpack
 
 from ztwisted.h2 import lean_data
 from ztwisted.h2.goaway import (
@@ -251,7 +252,7 @@ def send_headers(h2conn: h2.connection.H2Connection, stream_id: int, headers: li
         h2conn.send_headers(stream_id, headers, end_stream=end_stream)
         return
     stream = h2conn.streams.get(stream_id)
-    bytes_headers = [(name.encode(), value.encode()) for name, value in headers]
+    bytes_headers = _utf8_encoded(headers)
     if stream is None:
         stream = h2conn._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
         machine = stream.state_machine
@@ -267,6 +268,18 @@ def send_headers(h2conn: h2.connection.H2Connection, stream_id: int, headers: li
         _sent_end_stream(machine)
     block = h2conn.encoder.encode(bytes_headers)
     h2conn._data_to_send += _header_frames(block, stream_id, stream.max_outbound_frame_size, end_stream)
+
+
+def _utf8_encoded(headers: list) -> list:
+    """h2's ``utf8_encode_headers``: names and values as UTF-8 bytes, and an HPACK header tuple's type
+    kept (ztwisted sends ``forwarded`` as a ``NeverIndexedHeaderTuple``: it must stay never indexed)."""
+    encoded = []
+    for header in headers:
+        name, value = header
+        name = name if isinstance(name, bytes) else name.encode("utf-8")
+        value = value if isinstance(value, bytes) else value.encode("utf-8")
+        encoded.append(header.__class__(name, value) if isinstance(header, hpack.HeaderTuple) else (name, value))
+    return encoded
 
 
 def _sends_plain_headers(h2conn: h2.connection.H2Connection, stream_id: int, headers: list, end_stream: bool) -> bool:

@@ -25,6 +25,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import hpack
+import hpack.hpack
+import hpack.table
 import hyperframe.frame
 from twisted.internet import defer, error
 from twisted.internet.interfaces import IHandshakeListener, IPushProducer
@@ -71,6 +73,22 @@ def _short_raw_data_repr(data) -> str:
 hyperframe.frame._raw_data_repr = _short_raw_data_repr
 
 
+class _SilentLogger:
+    """A logger whose ``debug`` and ``trace`` do nothing, in C: ``"".format`` takes any arguments.
+
+    h2 calls its configured logger ~10 times per stream and node (its default ``DummyLogger``: a Python
+    call each), and hpack its module's stdlib logger for nearly every header it encodes or decodes (two
+    Python calls each, ~25 per stream and node). ztwisted logs through Twisted and never shows either.
+    """
+
+    debug = trace = staticmethod("".format)
+
+
+_SILENT_LOGGER = _SilentLogger()
+# hpack's modules only ever call ``log.debug``
+hpack.hpack.log = hpack.table.log = _SILENT_LOGGER
+
+
 def _h2_config(client: bool) -> h2.config.H2Configuration:
     # Received headers are validated (an authenticated peer is still untrusted). The ones sent
     # are ztwisted's own (a CONNECT to an IP authority, "forwarded", "baggage", ":status"):
@@ -83,6 +101,7 @@ def _h2_config(client: bool) -> h2.config.H2Configuration:
         validate_inbound_headers=True,
         validate_outbound_headers=False,
         normalize_outbound_headers=False,
+        logger=_SILENT_LOGGER,
     )
 
 

@@ -219,7 +219,8 @@ def _text(h2conn: h2.connection.H2Connection, headers: list) -> list:
     encoding = h2conn.config.header_encoding
     if not isinstance(encoding, str):
         return list(headers)
-    return [header.__class__(header[0].decode(encoding), header[1].decode(encoding)) for header in headers]
+    # tuple.__new__ is what HPACK's header tuples' own (Python) __new__ calls
+    return [tuple.__new__(type(header), (header[0].decode(encoding), header[1].decode(encoding))) for header in headers]
 
 
 def _request_received(h2conn, stream: h2.stream.H2Stream, headers: list) -> h2.events.RequestReceived:

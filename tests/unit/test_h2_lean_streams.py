@@ -541,3 +541,16 @@ def test_a_padded_data_frame_is_left_to_h2():
     padded = DataFrame(3, data=b"x", flags=["END_STREAM", "PADDED"], pad_length=3)
     assert lean_data.take_data_frame(server.h2, padded.serialize()) is None
     assert describe(server.feed(padded.serialize()))[0][3:5] == (b"x", "StreamEnded")
+
+
+def test_a_response_to_head_expects_no_body_as_in_h2():
+    """Not a CONNECT (ztwisted sends none), but h2's content-length rule for it is kept."""
+
+    def action(client, server):
+        client.send_headers(3, [(":method", "HEAD"), (":authority", "a"), (":scheme", "https"), (":path", "/")])
+        server.feed(client.h2.data_to_send())
+        server.send_headers(3, [(":status", "200")])
+        server.h2.send_data(3, b"x")
+        client.feed(server.h2.data_to_send())
+
+    sent_the_same(action)

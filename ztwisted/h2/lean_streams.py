@@ -22,9 +22,10 @@ one of its open streams that has not had one. Its block is decoded with
 ``h2``'s decoder (which enforces the header-list size) and checked by
 :func:`plain_request` or :func:`plain_response`, which accept only a header
 list that ``h2``'s validation accepts unchanged: the expected pseudo-headers
-first, each once, then names of lowercase token characters that are neither
-connection-specific, ``te``, ``host``, ``cookie`` nor ``content-length``,
-printable ASCII values without surrounding whitespace. Any other list goes to
+first, each once, then names of visible ASCII but uppercase letters and
+colons that are neither connection-specific, ``te``, ``host``, ``cookie`` nor
+``content-length``, and printable ASCII values without surrounding
+whitespace. Any other list goes to
 ``h2``'s own ``H2Stream.receive_headers``, which validates it (the block is
 decoded by then: HPACK's state is the connection's, so it cannot go back to
 ``h2`` as bytes) and raises ``h2``'s ``ProtocolError``, after which, as
@@ -238,7 +239,9 @@ def _request_received(h2conn, stream: h2.stream.H2Stream, headers: list) -> h2.e
 def _response_received(h2conn, stream: h2.stream.H2Stream, headers: list) -> h2.events.ResponseReceived:
     """h2's RECV_HEADERS on an open client stream (``response_received``), for a plain response."""
     stream.state_machine.headers_received = True
-    stream._expected_content_length = None  # no content-length, and not a HEAD request
+    # h2's _initialize_content_length: no content-length (plain_response), so none expected, but
+    # nothing at all after a HEAD request
+    stream._expected_content_length = 0 if stream.request_method == b"HEAD" else None
     event = h2.events.ResponseReceived(stream_id=stream.stream_id)
     event.headers = _text(h2conn, headers)
     return event

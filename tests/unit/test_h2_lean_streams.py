@@ -554,3 +554,33 @@ def test_a_response_to_head_expects_no_body_as_in_h2():
         client.feed(server.h2.data_to_send())
 
     sent_the_same(action)
+
+
+def test_a_response_on_a_stream_reset_while_opening_is_answered_as_h2_answers_it():
+    """The SOCKS5 client left while its tunnel opened (``Stream._cancel_opening``): the 200 finds
+    the stream closed by our RST_STREAM, and h2 resets it again (STREAM_CLOSED)."""
+
+    def script(client, server, deliver):
+        client.send_headers(3, CONNECT)
+        deliver(client, server)
+        server.send_headers(3, [(":status", "200")])
+        client.h2.reset_stream(3, 8)
+        deliver(server, client)
+        deliver(client, server)
+
+    wire, events, client_state, _ = both_ways(script)
+    assert events[1] == []
+    assert [type(f).__name__ for f in parse_frames(wire[2])] == ["RstStreamFrame", "RstStreamFrame"]
+
+
+def test_a_headers_frame_over_h2s_maximum_frame_size_is_h2s_error():
+    """The GOAWAY filter allows our announced size; h2 enforces its own until the peer acknowledged it."""
+    outcomes = []
+    for lean in (False, True):
+        client, server = connected(lean)
+        block = request_block([*CONNECT, ("x-big", "y" * 17000)])
+        assert lean_streams.take_headers_frame(server.h2, block) is None
+        with pytest.raises(h2.exceptions.FrameTooLargeError):
+            server.feed(block)
+        outcomes.append(server.h2.data_to_send())
+    assert outcomes[1] == outcomes[0]

@@ -248,12 +248,17 @@ REFUSED_REQUESTS = {
 }
 
 
-def request_block(headers, stream_id: int = 3, flags=("END_HEADERS",)) -> bytes:
-    """A HEADERS frame encoded with a fresh encoder (the server's decoder is fresh too)."""
-    encoder = _h2_connection(True).encoder
+def headers_frame(encoder, headers, stream_id: int = 3, flags=("END_HEADERS",)) -> bytes:
+    """A HEADERS frame as any peer may send it (hyperframe's, not the lean path's)."""
     frame = HeadersFrame(stream_id, flags=flags)
     frame.data = encoder.encode([(n.encode(), v.encode()) for n, v in headers])
     return frame.serialize()
+
+
+def request_block(headers, stream_id: int = 3, flags=("END_HEADERS",)) -> bytes:
+    """A client's HEADERS frame, encoded with a fresh encoder (adding to the server's decoder's table
+    only what it refers to itself)."""
+    return headers_frame(_h2_connection(True).encoder, headers, stream_id, flags)
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED_REQUESTS))
@@ -316,9 +321,7 @@ REFUSED_RESPONSES = {
 def respond(client: Side, server: Side, headers) -> bytes:
     client.send_headers(3, CONNECT)
     server.feed(client.h2.data_to_send())
-    frame = HeadersFrame(3, flags=["END_HEADERS"])
-    frame.data = server.h2.encoder.encode([(n.encode(), v.encode()) for n, v in headers])
-    return frame.serialize()
+    return headers_frame(server.h2.encoder, headers)
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED_RESPONSES))

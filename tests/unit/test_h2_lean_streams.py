@@ -8,12 +8,13 @@ drives it (the GOAWAY filter's segments, :func:`lean_streams.receive`, :func:`le
 
 from __future__ import annotations
 
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.stream
 import pytest
 from hpack import NeverIndexedHeaderTuple
-from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, RstStreamFrame
 
 from ztwisted.h2 import lean_data, lean_streams
 from ztwisted.h2.connection import _h2_connection
@@ -81,7 +82,7 @@ def describe(events) -> list[tuple]:
             [(type(h).__name__, *h) for h in getattr(e, "headers", None) or ()],
             getattr(e, "data", None),
             type(getattr(e, "stream_ended", None)).__name__,
-            getattr(e, "error_code", None),
+            repr(getattr(e, "error_code", None)),  # an ErrorCodes member, or an int for an unknown code
         )
         for e in events
     ]
@@ -207,7 +208,7 @@ def test_a_refusal_and_data_around_the_end_are_the_same_as_h2():
 
     wire, events, _, _ = both_ways(script)
     assert [e[0] for e in events[1]] == ["ResponseReceived", "StreamEnded"]
-    assert events[3][:1] == [("DataReceived", 5, [], b"hello", "StreamEnded", None)]
+    assert events[3][:1] == [("DataReceived", 5, [], b"hello", "StreamEnded", "None")]
 
 
 # -- received headers: every check h2 makes still made ---------------------------------------------
@@ -587,3 +588,107 @@ def test_a_headers_frame_over_h2s_maximum_frame_size_is_h2s_error():
             server.feed(block)
         outcomes.append(server.h2.data_to_send())
     assert outcomes[1] == outcomes[0]
+
+
+# -- RST_STREAM -----------------------------------------------------------------------------------------
+
+
+class Resetting(Side):
+    """A side that resets through the lean path (or h2 alone)."""
+
+    def reset_stream(self, stream_id: int, code: int) -> None:
+        if self.lean:
+            lean_streams.reset_stream(self.h2, stream_id, code)
+        else:
+            self.h2.reset_stream(stream_id, code)
+
+
+def rst(stream_id: int, code: int) -> bytes:
+    return RstStreamFrame(stream_id, error_code=code).serialize()
+
+
+@pytest.mark.parametrize(
+    ("opened", "resetting_side"),
+    [
+        ("open", "client"),
+        ("open", "server"),
+        ("client ended", "client"),  # half-closed (local) on the client, (remote) on the server
+        ("client ended", "server"),
+        ("server ended", "client"),
+    ],
+)
+def test_resets_sent_and_received_are_the_same_as_h2(opened, resetting_side, monkeypatch):
+    monkeypatch.setattr(Side, "reset_stream", Resetting.reset_stream, raising=False)
+
+    def script(client, server, deliver):
+        client.send_headers(3, CONNECT)
+        deliver(client, server)
+        server.send_headers(3, [(":status", "200")])
+        deliver(server, client)
+        if opened == "client ended":
+            client.end_stream(3)
+            deliver(client, server)
+        elif opened == "server ended":
+            server.end_stream(3)
+            deliver(server, client)
+        sender, receiver = (client, server) if resetting_side == "client" else (server, client)
+        sender.reset_stream(3, 8)
+        deliver(sender, receiver)
+
+    wire, events, client_state, server_state = both_ways(script)
+    assert [type(f).__name__ for f in parse_frames(wire[-1])] == ["RstStreamFrame"]
+    assert events[-1] == [("StreamReset", 3, [], None, "NoneType", repr(h2.errors.ErrorCodes.CANCEL))]
+
+
+def test_the_lean_paths_take_plain_resets():
+    client, server = connected(lean=True)
+    client.send_headers(3, CONNECT)
+    server.feed(client.h2.data_to_send())
+    lean_streams.reset_stream(client.h2, 3, 0x1234)  # an unknown code is sent and received as an int
+    (event,) = lean_streams.take_rst_stream_frame(server.h2, client.h2.data_to_send())
+    assert (event.stream_id, event.error_code, event.remote_reset) == (3, 0x1234, True)
+    assert server.h2.streams[3].state_machine.stream_closed_by is h2.stream.StreamClosedBy.RECV_RST_STREAM
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pytest.param(lambda: rst(3, 8), id="on a closed stream"),  # reset once already below
+        pytest.param(lambda: rst(7, 8), id="on an idle stream"),
+        pytest.param(lambda: rst(5, 8)[:-1], id="too short: h2's FRAME_SIZE_ERROR"),
+        pytest.param(lambda: bytes([0, 0, 5]) + rst(5, 8)[3:] + b"\x00", id="too long"),
+    ],
+)
+def test_resets_left_to_h2_are_handled_as_h2_handles_them(frame):
+    outcomes = []
+    for lean in (False, True):
+        client, server = connected(lean)
+        for stream_id in (3, 5):
+            client.send_headers(stream_id, CONNECT)
+            server.feed(client.h2.data_to_send())
+        server.feed(rst(3, 8))
+        if lean:
+            assert lean_streams.take_rst_stream_frame(server.h2, frame()) is None
+        try:
+            outcome = describe(server.feed(frame()))
+        except h2.exceptions.ProtocolError as e:
+            outcome = type(e)
+        outcomes.append((outcome, server.h2.data_to_send(), h2_state(server)))
+    assert outcomes[1] == outcomes[0]
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        pytest.param(lambda c: c.reset_stream(3, 8), id="unknown stream"),
+        pytest.param(lambda c: (c.send_headers(3, CONNECT), c.reset_stream(3, 8), c.reset_stream(3, 8)), id="twice"),
+        pytest.param(lambda c: (c.send_headers(3, CONNECT), c.reset_stream(3, -1)), id="a code out of range"),
+        pytest.param(
+            lambda c: (c.send_headers(3, CONNECT), c.h2._terminate_connection(0), c.reset_stream(3, 8)),
+            id="closed connection",
+        ),
+    ],
+)
+def test_resets_sent_through_h2(action, monkeypatch):
+    monkeypatch.setattr(Side, "reset_stream", Resetting.reset_stream, raising=False)
+    sent_the_same(lambda client, server: action(client))

@@ -407,7 +407,7 @@ class HBONEConnection(Protocol):
         if not self.lifecycle.connected_now:
             return
         try:
-            self.h2.reset_stream(stream.stream_id, code)
+            lean_streams.reset_stream(self.h2, stream.stream_id, code)
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             return
         self.send_pending()

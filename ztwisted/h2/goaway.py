@@ -28,6 +28,7 @@ FRAME_HEADER_LENGTH = 9
 DATA_FRAME_TYPE = 0x00
 HEADERS_FRAME_TYPE = 0x01
 PUSH_PROMISE_FRAME_TYPE = 0x05
+RST_STREAM_FRAME_TYPE = 0x03
 GOAWAY_FRAME_TYPE = 0x07
 CONTINUATION_FRAME_TYPE = 0x09
 END_STREAM_FLAG = 0x01
@@ -45,9 +46,15 @@ Buffer = bytes | bytearray | memoryview
 Segment = tuple[Buffer, bool]
 
 #: the frames the lean paths may take, as ``type << 8 | flags``: DATA, with END_STREAM or without
-#: (:mod:`~ztwisted.h2.lean_data`), and HEADERS with END_HEADERS alone (:mod:`~ztwisted.h2.lean_streams`)
+#: (:mod:`~ztwisted.h2.lean_data`), HEADERS with END_HEADERS alone and RST_STREAM
+#: (:mod:`~ztwisted.h2.lean_streams`)
 LEAN_FRAME_KINDS = frozenset(
-    {DATA_FRAME_TYPE << 8, DATA_FRAME_TYPE << 8 | END_STREAM_FLAG, HEADERS_FRAME_TYPE << 8 | END_HEADERS_FLAG}
+    {
+        DATA_FRAME_TYPE << 8,
+        DATA_FRAME_TYPE << 8 | END_STREAM_FLAG,
+        HEADERS_FRAME_TYPE << 8 | END_HEADERS_FLAG,
+        RST_STREAM_FRAME_TYPE << 8,
+    }
 )
 
 # A GOAWAY carries at most a short debug text in practice; anything bigger is

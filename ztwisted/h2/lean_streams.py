@@ -43,6 +43,11 @@ frames them (CONTINUATION frames past the maximum frame size). Sent
 END_STREAM (:func:`end_stream`): an empty DATA frame on a stream open for
 sending. Otherwise both call ``h2``, which raises what it raises.
 
+RST_STREAM, sent (:func:`reset_stream`) and received (:func:`take_rst_stream_frame`): on an
+open connection, for a stream ``h2`` holds open or half-closed, which it closes; a received
+frame must have its 4-byte body. A reset of a stream ``h2`` does not hold open (unknown, idle,
+already closed: ``h2`` answers some with its own RST_STREAM or error) goes to ``h2``.
+
 The gate is :mod:`~ztwisted.h2.lean_data`'s (checked ``h2`` releases) plus the
 internals listed in :data:`H2_INTERNALS`: without them, everything goes to ``h2``.
 """
@@ -52,6 +57,7 @@ from __future__ import annotations
 import re
 
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 import h2.stream
@@ -67,6 +73,7 @@ from ztwisted.h2.goaway import (
     FRAME_HEADER_LENGTH,
     HEADERS_FRAME_TYPE,
     MAX_STREAM_ID,
+    RST_STREAM_FRAME_TYPE,
 )
 
 _OPEN = h2.stream.StreamState.OPEN
@@ -74,13 +81,15 @@ _HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL
 _HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
 _CLOSED = h2.stream.StreamState.CLOSED
 _SENT_END_STREAM = h2.stream.StreamClosedBy.SEND_END_STREAM
+_SENT_RST_STREAM = h2.stream.StreamClosedBy.SEND_RST_STREAM
+_RECEIVED_RST_STREAM = h2.stream.StreamClosedBy.RECV_RST_STREAM
 # (states are Enums, whose hash is a Python call: compared by identity, never looked up)
 
 #: what this module reads or calls in h2 beyond its public API (besides lean_data's)
 H2_INTERNALS = (
     "H2Connection._begin_new_stream, highest_inbound_stream_id, highest_outbound_stream_id",
     "H2Connection.encoder, decoder, config",
-    "h2.connection._decode_headers",
+    "h2.connection._decode_headers, h2.errors._error_code_from_int",
     "H2Stream.receive_headers, _authority, request_method, max_outbound_frame_size",
     "H2StreamStateMachine.client, headers_sent, headers_received, stream_closed_by",
 )
@@ -94,6 +103,7 @@ def _h2_has_the_internals() -> bool:
         all(hasattr(probe, name) for name in ("_begin_new_stream", "highest_inbound_stream_id", "decoder"))
         and hasattr(probe, "highest_outbound_stream_id")
         and callable(getattr(h2.connection, "_decode_headers", None))
+        and callable(getattr(h2.errors, "_error_code_from_int", None))
         and all(hasattr(stream, name) for name in ("receive_headers", "_authority", "request_method"))
         and hasattr(stream, "max_outbound_frame_size")
         and all(hasattr(machine, name) for name in ("client", "headers_sent", "headers_received", "stream_closed_by"))
@@ -107,16 +117,22 @@ ENABLED = lean_data.ENABLED and _h2_has_the_internals()
 def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool]]) -> list[h2.events.Event]:
     """``h2``'s events for received bytes in :meth:`~ztwisted.h2.goaway.GoawayFilter.segments`, in order.
 
-    Each whole frame cut out goes through :func:`~ztwisted.h2.lean_data.take_data_frame` (DATA) or
-    :func:`take_headers_frame` (HEADERS) if it takes it, everything else through ``h2.receive_data``.
+    Each whole frame cut out goes through :func:`~ztwisted.h2.lean_data.take_data_frame` (DATA),
+    :func:`take_headers_frame` (HEADERS) or :func:`take_rst_stream_frame` if it takes it, everything
+    else through ``h2.receive_data``.
     As with one ``receive_data`` call, an error in any segment raises before any event is handled.
     """
     events: list[h2.events.Event] = []
     for segment, whole_frame in segments:
         taken = None
         if whole_frame:
-            take = lean_data.take_data_frame if segment[3] == DATA_FRAME_TYPE else take_headers_frame
-            taken = take(h2conn, segment)
+            frame_type = segment[3]
+            if frame_type == DATA_FRAME_TYPE:
+                taken = lean_data.take_data_frame(h2conn, segment)
+            elif frame_type == HEADERS_FRAME_TYPE:
+                taken = take_headers_frame(h2conn, segment)
+            else:
+                taken = take_rst_stream_frame(h2conn, segment)
         events += h2conn.receive_data(bytes(segment)) if taken is None else taken
     return events
 
@@ -354,3 +370,51 @@ def _sent_end_stream(machine: h2.stream.H2StreamStateMachine) -> None:
 
 
 _END_STREAM_FRAME_HEAD = bytes((0, 0, 0, DATA_FRAME_TYPE, END_STREAM_FLAG))
+
+
+# -- RST_STREAM, sent and received --------------------------------------------------------------
+
+
+def _resettable(h2conn: h2.connection.H2Connection, stream_id: int) -> h2.stream.H2Stream | None:
+    """The stream, if the connection is open and h2 holds it open (OPEN or half-closed): h2 resets it
+    without more ado; otherwise None (h2 decides: an unknown, idle or closed stream)."""
+    state = h2conn.state_machine.state
+    if state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN:
+        return None
+    stream = h2conn.streams.get(stream_id)
+    stream_state = stream.state_machine.state if stream is not None else None
+    if stream_state is _OPEN or stream_state is _HALF_CLOSED_LOCAL or stream_state is _HALF_CLOSED_REMOTE:
+        return stream
+    return None
+
+
+def reset_stream(h2conn: h2.connection.H2Connection, stream_id: int, error_code: int) -> None:
+    """``h2conn.reset_stream(stream_id, error_code)``, lean for a stream h2 holds open (h2's SEND_RST_STREAM:
+    closed, by us); otherwise h2's, which raises what it raises."""
+    stream = _resettable(h2conn, stream_id) if ENABLED and 0 <= error_code <= 0xFFFFFFFF else None
+    if stream is None:
+        h2conn.reset_stream(stream_id, error_code)
+        return
+    machine = stream.state_machine
+    machine.state = _CLOSED
+    machine.stream_closed_by = _SENT_RST_STREAM
+    h2conn._data_to_send += _RST_STREAM_FRAME_HEAD + stream_id.to_bytes(4, "big") + int(error_code).to_bytes(4, "big")
+
+
+def take_rst_stream_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.events.Event] | None:
+    """Receive one whole RST_STREAM frame as ``h2`` would (h2's RECV_RST_STREAM on a stream it holds open:
+    closed by the peer, a ``StreamReset``), or None: give it to ``h2``."""
+    if not ENABLED or len(frame) != FRAME_HEADER_LENGTH + 4 or not _receives_frames(h2conn, len(frame)):
+        return None  # (a body of another length is h2's FRAME_SIZE_ERROR)
+    stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
+    stream = _resettable(h2conn, stream_id)
+    if stream is None:
+        return None
+    machine = stream.state_machine
+    machine.state = _CLOSED
+    machine.stream_closed_by = _RECEIVED_RST_STREAM
+    error_code = h2.errors._error_code_from_int(int.from_bytes(frame[FRAME_HEADER_LENGTH:], "big"))
+    return [h2.events.StreamReset(stream_id=stream_id, error_code=error_code)]
+
+
+_RST_STREAM_FRAME_HEAD = bytes((0, 0, 4, RST_STREAM_FRAME_TYPE, 0))

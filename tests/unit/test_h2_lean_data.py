@@ -2,7 +2,7 @@
 
 Two server-side ``h2`` connections get the same hyperframe-encoded bytes: one
 through ``h2`` alone, one as :class:`~ztwisted.h2.connection.HBONEConnection`
-feeds it (GOAWAY filter segments, :func:`lean_data.receive`: whole DATA frames
+feeds it (GOAWAY filter segments, :func:`lean_streams.receive`: whole DATA frames
 to :func:`take_data_frame` first). Their events, their answers and their errors must be the same.
 """
 

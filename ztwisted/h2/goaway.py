@@ -13,8 +13,9 @@ filter is also the one place that sees every frame header as the bytes
 arrive, it enforces the frame-level limits there too, before ``h2`` buffers a
 frame whole: a frame longer than the advertised SETTINGS_MAX_FRAME_SIZE, and
 a header block (HEADERS or PUSH_PROMISE and its CONTINUATION frames) longer
-than a cap. For the same reason it cuts out the DATA frames that
-:mod:`~ztwisted.h2.lean_data` may take past ``h2`` (:meth:`GoawayFilter.segments`).
+than a cap. For the same reason it cuts out the frames that
+:mod:`~ztwisted.h2.lean_data` and :mod:`~ztwisted.h2.lean_streams` may take past
+``h2`` (:meth:`GoawayFilter.segments`, :data:`LEAN_FRAME_KINDS`).
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ state machines, an event) and several on each it sends. On a tunnel nearly
 every frame is DATA, so this module does for the plainest of them exactly
 what ``h2`` does, with ``h2``'s own bookkeeping, and nothing else.
 
-Received (:func:`take_data_frame`, through :func:`receive`):
+Received (:func:`take_data_frame`, through :func:`~ztwisted.h2.lean_streams.receive`):
 
-- the frame is complete, has no padding and no END_STREAM, and is not inside a
-  header block (:meth:`~ztwisted.h2.goaway.GoawayFilter.segments` picks these
-  out, as it sees every frame header anyway);
+- the frame is complete, has no padding, and is not inside a header block
+  (:meth:`~ztwisted.h2.goaway.GoawayFilter.segments` picks these out, as it
+  sees every frame header anyway);
 - it is no longer than ``h2``'s current maximum frame size;
 - ``h2``'s connection is open and the stream is one ``h2`` holds in a state
   that receives DATA (open, or half-closed by us) and has received its
@@ -20,9 +20,13 @@ Received (:func:`take_data_frame`, through :func:`receive`):
   window managers, which raise ``FlowControlError`` when a peer overruns a
   window (then, as ``h2`` would, ``h2`` queues its GOAWAY and closes before
   the error goes up), and the body length is counted against a
-  content-length as ``h2`` does.
+  content-length as ``h2`` does (on END_STREAM, it must match);
+- with END_STREAM, the stream moves as ``h2``'s state machine moves it
+  (half-closed by the peer, or closed by the peer's end if we had ended)
+  and the events are ``h2``'s: ``DataReceived`` carrying ``StreamEnded``, then
+  that ``StreamEnded``.
 
-Anything else (padding, END_STREAM, an unknown or closed stream, DATA
+Anything else (padding, an unknown or closed stream, DATA
 before the response, a connection ``h2`` considers closed) returns None, and the frame's bytes go
 to ``h2`` unchanged, which checks and answers it as it always did. The result
 is ``h2``'s own ``DataReceived`` event, so one handler serves both paths.

@@ -13,7 +13,7 @@ and the connection-wide HPACK encoder and decoder. Everything else goes to
 ``h2`` unchanged.
 
 Received HEADERS (:func:`take_headers_frame`, through
-:func:`~ztwisted.h2.lean_data.receive`): one whole frame with END_HEADERS and
+:func:`receive`): one whole frame with END_HEADERS and
 neither END_STREAM, PADDED nor PRIORITY (no CONTINUATION), within ``h2``'s
 maximum frame size, on an open connection with nothing buffered in ``h2``;
 on the server a request opening a new client stream whose ID is above every

@@ -2,7 +2,7 @@
 
 Two server-side ``h2`` connections get the same hyperframe-encoded bytes: one
 through ``h2`` alone, one as :class:`~ztwisted.h2.connection.HBONEConnection`
-feeds it (GOAWAY filter segments, :func:`lean_data.receive`: whole DATA frames
+feeds it (GOAWAY filter segments, :func:`lean_streams.receive`: whole DATA frames
 to :func:`take_data_frame` first). Their events, their answers and their errors must be the same.
 """
 
@@ -20,7 +20,7 @@ import h2.settings
 import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame
 
-from ztwisted.h2 import lean_data
+from ztwisted.h2 import lean_data, lean_streams
 from ztwisted.h2.goaway import EmptyFramesFlood, FrameTooLarge, GoawayFilter, encode_goaway
 from ztwisted.h2.lean_data import take_data_frame
 
@@ -52,8 +52,8 @@ class Server:
         peer.receive_data(self.h2.data_to_send())
 
     def feed(self, data: bytes) -> list[h2.events.Event]:
-        segments, _ = self.filter.segments(data, cut_out_data_frames=self.lean)
-        return lean_data.receive(self.h2, segments)
+        segments, _ = self.filter.segments(data, cut_out_frames=self.lean)
+        return lean_streams.receive(self.h2, segments)
 
     @property
     def taken(self) -> int:
@@ -129,7 +129,7 @@ def test_data_frames_give_the_same_events_windows_and_acknowledgements_as_h2():
         data(b"last", flags=["END_STREAM"]),
     ]
     lean, (plain_events, plain_answers), (lean_events, lean_answers) = both(chunks)
-    assert lean.taken == 6  # a, b, the empty one, c, d and e: not the padded one or the last
+    assert lean.taken == 7  # a, b, the empty one, c, d, e and the last (END_STREAM): not the padded one
     assert describe(lean_events) == describe(plain_events)
     assert b"".join(e.data for e in lean_events if isinstance(e, h2.events.DataReceived)) == (
         b"a" * 100 + b"b" * 16384 + b"padded" + b"c" * 16000 + b"d" * 3000 + b"e" * 700 + b"last"
@@ -182,9 +182,9 @@ def test_a_tunnel_without_content_length_counts_what_came_as_h2_does():
     counted = []
     for server in (Server(lean=False), Server(lean=True)):
         server.feed(data(b"a" * 100) + data(b"b" * 900))
-        server.feed(data(b"c", flags=["END_STREAM"]))  # h2's own path, which compares the count
+        server.feed(data(b"c", flags=["END_STREAM"]))  # END_STREAM, where a content-length is compared
         counted.append((server.taken, server.h2.streams[1]._actual_content_length))
-    assert counted == [(0, 1001), (2, 1001)]
+    assert counted == [(0, 1001), (3, 1001)]
 
 
 def test_frames_the_lean_path_leaves_to_h2():
@@ -207,7 +207,7 @@ def test_frames_the_lean_path_leaves_to_h2():
     assert take_data_frame(server.h2, data(b"x")) is None
 
 
-def test_filter_cuts_out_only_whole_plain_data_frames():
+def test_filter_cuts_out_only_whole_unpadded_data_frames():
     settings = SettingsFrame(0).serialize()
     plain = data(b"p" * 50)
     padded = data(b"q", pad_length=4)
@@ -217,7 +217,7 @@ def test_filter_cuts_out_only_whole_plain_data_frames():
     chunk = settings + plain + padded + encode_goaway(1) + last + plain + split[:20]
     filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     segments, goaways = filt.segments(chunk)
-    assert segments == [(settings, False), (plain, True), (padded, False), (last, False), (plain, True)]
+    assert segments == [(settings, False), (plain, True), (padded, False), (last, True), (plain, True)]
     assert [g.last_stream_id for g in goaways] == [1]
     # The DATA frame in pieces is held back until whole (as h2 would buffer it), then cut out.
     segments, _ = filt.segments(split[20:] + open_block + plain)
@@ -293,10 +293,10 @@ def test_data_before_the_response_is_left_to_h2_which_refuses_it():
         client.send_headers(1, CONNECT)
         client.data_to_send()
         filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
-        segments, _ = filt.segments(data(b"too early"), cut_out_data_frames=lean)
+        segments, _ = filt.segments(data(b"too early"), cut_out_frames=lean)
         assert take_data_frame(client, segments[0][0]) is None
         with pytest.raises(h2.exceptions.ProtocolError):
-            lean_data.receive(client, segments)
+            lean_streams.receive(client, segments)
         outcomes.append(client.data_to_send())
     assert outcomes[0] == outcomes[1] and parse_frames(outcomes[1])[0].error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
 

@@ -25,6 +25,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import hpack
+import hpack.hpack
+import hpack.table
 import hyperframe.frame
 from twisted.internet import defer, error
 from twisted.internet.interfaces import IHandshakeListener, IPushProducer
@@ -32,7 +34,7 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from ztwisted.h2 import lean_data
+from ztwisted.h2 import lean_data, lean_streams
 from ztwisted.h2.admission import StreamAdmission, let_h2_accept_any_number_of_streams
 from ztwisted.h2.events import EventHandlers
 from ztwisted.h2.flow import FlowControl
@@ -71,6 +73,22 @@ def _short_raw_data_repr(data) -> str:
 hyperframe.frame._raw_data_repr = _short_raw_data_repr
 
 
+class _SilentLogger:
+    """A logger whose ``debug`` and ``trace`` do nothing, in C: ``"".format`` takes any arguments.
+
+    h2 calls its configured logger ~10 times per stream and node (its default ``DummyLogger``: a Python
+    call each), and hpack its module's stdlib logger for nearly every header it encodes or decodes (two
+    Python calls each, ~25 per stream and node). ztwisted logs through Twisted and never shows either.
+    """
+
+    debug = trace = staticmethod("".format)
+
+
+_SILENT_LOGGER = _SilentLogger()
+# hpack's modules only ever call ``log.debug``
+hpack.hpack.log = hpack.table.log = _SILENT_LOGGER
+
+
 def _h2_config(client: bool) -> h2.config.H2Configuration:
     # Received headers are validated (an authenticated peer is still untrusted). The ones sent
     # are ztwisted's own (a CONNECT to an IP authority, "forwarded", "baggage", ":status"):
@@ -83,6 +101,7 @@ def _h2_config(client: bool) -> h2.config.H2Configuration:
         validate_inbound_headers=True,
         validate_outbound_headers=False,
         normalize_outbound_headers=False,
+        logger=_SILENT_LOGGER,
     )
 
 
@@ -226,8 +245,8 @@ class HBONEConnection(Protocol):
             return
         self.keepalive.heard_from_peer()
         try:
-            segments, goaways = self._goaway_filter.segments(data, cut_out_data_frames=lean_data.ENABLED)
-            events = lean_data.receive(self.h2, segments)
+            segments, goaways = self._goaway_filter.segments(data, cut_out_frames=lean_data.ENABLED)
+            events = lean_streams.receive(self.h2, segments)
         except (h2.exceptions.ProtocolError, FrameLimitExceeded) as e:
             self.shutdown.protocol_error(e)
             return
@@ -283,7 +302,7 @@ class HBONEConnection(Protocol):
             return defer.fail(StreamRefused("connection no longer takes new streams"))
         stream_id = self.h2.get_next_available_stream_id()
         request = [(":method", "CONNECT"), (":authority", authority), *headers]
-        self.h2.send_headers(stream_id, request)
+        lean_streams.send_headers(self.h2, stream_id, request)
         stream = Stream(self, stream_id, dict(request))
         self.streams[stream_id] = stream
         self.send_pending()
@@ -379,7 +398,7 @@ class HBONEConnection(Protocol):
         """Queue a HEADERS frame (the caller then calls :meth:`send_pending`); False when h2 has
         closed the stream already, as when the peer reset it in the same read as its request."""
         try:
-            self.h2.send_headers(stream.stream_id, headers, end_stream=end_stream)
+            lean_streams.send_headers(self.h2, stream.stream_id, headers, end_stream)
         except h2.exceptions.StreamClosedError:
             return False
         return True
@@ -388,7 +407,7 @@ class HBONEConnection(Protocol):
         if not self.lifecycle.connected_now:
             return
         try:
-            self.h2.reset_stream(stream.stream_id, code)
+            lean_streams.reset_stream(self.h2, stream.stream_id, code)
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             return
         self.send_pending()

@@ -13,8 +13,9 @@ filter is also the one place that sees every frame header as the bytes
 arrive, it enforces the frame-level limits there too, before ``h2`` buffers a
 frame whole: a frame longer than the advertised SETTINGS_MAX_FRAME_SIZE, and
 a header block (HEADERS or PUSH_PROMISE and its CONTINUATION frames) longer
-than a cap. For the same reason it cuts out the DATA frames that
-:mod:`~ztwisted.h2.lean_data` may take past ``h2`` (:meth:`GoawayFilter.segments`).
+than a cap. For the same reason it cuts out the frames that
+:mod:`~ztwisted.h2.lean_data` and :mod:`~ztwisted.h2.lean_streams` may take past
+``h2`` (:meth:`GoawayFilter.segments`, :data:`LEAN_FRAME_KINDS`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ FRAME_HEADER_LENGTH = 9
 DATA_FRAME_TYPE = 0x00
 HEADERS_FRAME_TYPE = 0x01
 PUSH_PROMISE_FRAME_TYPE = 0x05
+RST_STREAM_FRAME_TYPE = 0x03
 GOAWAY_FRAME_TYPE = 0x07
 CONTINUATION_FRAME_TYPE = 0x09
 END_STREAM_FLAG = 0x01
@@ -43,6 +45,18 @@ Buffer = bytes | bytearray | memoryview
 #: bytes for ``h2`` and whether they are one whole DATA frame (see :meth:`GoawayFilter.segments`);
 #: a whole DATA frame is not copied out of what was received (a view of it, or the frame held)
 Segment = tuple[Buffer, bool]
+
+#: the frames the lean paths may take, as ``type << 8 | flags``: DATA, with END_STREAM or without
+#: (:mod:`~ztwisted.h2.lean_data`), HEADERS with END_HEADERS alone and RST_STREAM
+#: (:mod:`~ztwisted.h2.lean_streams`)
+LEAN_FRAME_KINDS = frozenset(
+    {
+        DATA_FRAME_TYPE << 8,
+        DATA_FRAME_TYPE << 8 | END_STREAM_FLAG,
+        HEADERS_FRAME_TYPE << 8 | END_HEADERS_FLAG,
+        RST_STREAM_FRAME_TYPE << 8,
+    }
+)
 
 # A GOAWAY carries at most a short debug text in practice; anything bigger is
 # an attempt to make us buffer, so it is treated as a protocol violation.
@@ -152,18 +166,18 @@ class GoawayFilter:
 
     def feed(self, data: bytes) -> tuple[bytes, list[ReceivedGoaway]]:
         """Return the bytes for ``h2`` and the GOAWAY frames found in ``data``."""
-        segments, goaways = self.segments(data, cut_out_data_frames=False)
+        segments, goaways = self.segments(data, cut_out_frames=False)
         return b"".join(segment for segment, _ in segments), goaways
 
-    def segments(self, data: bytes, cut_out_data_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
+    def segments(self, data: bytes, cut_out_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
         """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
 
-        Each segment is ``(bytes, whole_data_frame)``: with ``cut_out_data_frames``, each plain DATA
-        frame (no padding or END_STREAM, outside a header block, where it is h2's error to raise,
-        and not on stream 0, which h2 refuses at its header) is a segment of its own, flagged True
-        (for :func:`~ztwisted.h2.lean_data.take_data_frame`), held back until whole (as ``h2``
-        would buffer it), and not copied: a ``memoryview`` of ``data``, or the ``bytearray`` it was
-        held in, valid until the next call. Everything else comes in runs flagged False.
+        Each segment is ``(bytes, whole_frame)``: with ``cut_out_frames``, each frame of
+        :data:`LEAN_FRAME_KINDS` (outside a header block, where it is h2's error to raise, and not on
+        stream 0, which h2 refuses at its header) is a segment of its own, flagged True (for
+        :func:`~ztwisted.h2.lean_streams.receive`), held back until whole (as ``h2`` would buffer it), and
+        not copied: a ``memoryview`` of ``data``, or the ``bytearray`` it was held in, valid until the
+        next call. Everything else comes in runs flagged False.
         """
         segments, goaways = [], []  # list[Segment], list[ReceivedGoaway]
         position = 0
@@ -187,25 +201,25 @@ class GoawayFilter:
                 # (not for the usual frame, DATA with bytes within the size after one with bytes: no limit to hit)
                 self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
-            # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
-            # incomplete one waits in _pending or _held): no more than one frame of checked size.
-            plain_data = frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG)
+            # GOAWAY frames, and if asked the frames a lean path may take, are cut out of the run whole
+            # (an incomplete one waits in _pending or _held): no more than one frame of checked size.
+            lean = (frame_type << 8 | flags) in LEAN_FRAME_KINDS
             stream_id = int.from_bytes(view[position + 5 : position + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
-            cut_out_data = cut_out_data_frames and plain_data and not self._in_header_block and stream_id != 0
-            if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
+            cut_out = cut_out_frames and lean and not self._in_header_block and stream_id != 0
+            if frame_type != GOAWAY_FRAME_TYPE and not cut_out:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
                 continue
             if frame_type == GOAWAY_FRAME_TYPE and length > MAX_GOAWAY_PAYLOAD:
                 raise GoawayTooLarge(f"GOAWAY frame of {length} bytes")
-            if frame_end > end and not cut_out_data:
+            if frame_end > end and not cut_out:
                 break
             if start_of_run < position:
                 segments.append((bytes(view[start_of_run:position]), False))
             if frame_end > end:
                 self._held, self._held_missing = bytearray(view[position:end]), frame_end - end
                 return segments, goaways
-            if cut_out_data:
+            if cut_out:
                 segments.append((view[position:frame_end], True))  # not copied: the lean path copies the payload
             else:
                 goaways.append(_decode_goaway_payload(bytes(view[position + FRAME_HEADER_LENGTH : frame_end])))

@@ -6,11 +6,11 @@ state machines, an event) and several on each it sends. On a tunnel nearly
 every frame is DATA, so this module does for the plainest of them exactly
 what ``h2`` does, with ``h2``'s own bookkeeping, and nothing else.
 
-Received (:func:`take_data_frame`, through :func:`receive`):
+Received (:func:`take_data_frame`, through :func:`~ztwisted.h2.lean_streams.receive`):
 
-- the frame is complete, has no padding and no END_STREAM, and is not inside a
-  header block (:meth:`~ztwisted.h2.goaway.GoawayFilter.segments` picks these
-  out, as it sees every frame header anyway);
+- the frame is complete, has no padding, and is not inside a header block
+  (:meth:`~ztwisted.h2.goaway.GoawayFilter.segments` picks these out, as it
+  sees every frame header anyway);
 - it is no longer than ``h2``'s current maximum frame size;
 - ``h2``'s connection is open and the stream is one ``h2`` holds in a state
   that receives DATA (open, or half-closed by us) and has received its
@@ -20,9 +20,13 @@ Received (:func:`take_data_frame`, through :func:`receive`):
   window managers, which raise ``FlowControlError`` when a peer overruns a
   window (then, as ``h2`` would, ``h2`` queues its GOAWAY and closes before
   the error goes up), and the body length is counted against a
-  content-length as ``h2`` does.
+  content-length as ``h2`` does (on END_STREAM, it must match);
+- with END_STREAM, the stream moves as ``h2``'s state machine moves it
+  (half-closed by the peer, or closed by the peer's end if we had ended)
+  and the events are ``h2``'s: ``DataReceived`` carrying ``StreamEnded``, then
+  that ``StreamEnded``.
 
-Anything else (padding, END_STREAM, an unknown or closed stream, DATA
+Anything else (padding, an unknown or closed stream, DATA
 before the response, a connection ``h2`` considers closed) returns None, and the frame's bytes go
 to ``h2`` unchanged, which checks and answers it as it always did. The result
 is ``h2``'s own ``DataReceived`` event, so one handler serves both paths.
@@ -63,12 +67,13 @@ import h2.events
 import h2.exceptions
 import h2.stream
 
-from ztwisted.h2.goaway import DATA_FRAME_TYPE, FRAME_HEADER_LENGTH, MAX_STREAM_ID
+from ztwisted.h2.goaway import DATA_FRAME_TYPE, END_STREAM_FLAG, FRAME_HEADER_LENGTH, MAX_STREAM_ID, PADDED_FLAG
 
 #: the states in which h2 takes a DATA frame without changing state (a connection's state is an
 #: Enum, whose hash is a Python call: compared by identity)
 _CLIENT_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
 _SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
+_STREAM_OPEN_BOTH_WAYS = h2.stream.StreamState.OPEN
 _STREAM_RECEIVES_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 _STREAM_SENDS_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE})
 #: the states of a stream h2 counts as open, whose windows it reopens (``H2Stream.open``)
@@ -129,30 +134,19 @@ def _h2_has_the_internals() -> bool:
 ENABLED = _h2_is_checked() and _h2_has_the_internals()
 
 
-def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool]]) -> list[h2.events.Event]:
-    """``h2``'s events for received bytes in :meth:`~ztwisted.h2.goaway.GoawayFilter.segments`, in order.
-
-    Each whole DATA frame goes through :func:`take_data_frame` if it takes it,
-    everything else through ``h2.receive_data``. As with one ``receive_data``
-    call, an error in any segment raises before any event is handled.
-    """
-    events: list[h2.events.Event] = []
-    for segment, whole_data_frame in segments:
-        taken = take_data_frame(h2conn, segment) if whole_data_frame else None
-        events += h2conn.receive_data(bytes(segment)) if taken is None else taken
-    return events
-
-
-def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2.events.DataReceived] | None:
+def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2.events.Event] | None:
     """Receive one whole DATA frame (header included) as ``h2`` would, or None: give it to ``h2``.
 
-    Raises ``h2``'s ``FlowControlError`` (a ``ProtocolError``) when the frame
-    overruns a window, after ``h2`` queued its GOAWAY, as ``receive_data`` does.
+    Raises ``h2``'s ``FlowControlError`` or ``InvalidBodyLengthError`` (both ``ProtocolError``) when the
+    frame overruns a window or a content-length, after ``h2`` queued its GOAWAY, as ``receive_data`` does.
     """
     length = len(frame) - FRAME_HEADER_LENGTH
     connection_state = h2conn.state_machine.state
-    if length > h2conn.max_inbound_frame_size or (
-        connection_state is not _CLIENT_OPEN and connection_state is not _SERVER_OPEN
+    flags = frame[4]
+    if (
+        flags & PADDED_FLAG
+        or length > h2conn.max_inbound_frame_size
+        or (connection_state is not _CLIENT_OPEN and connection_state is not _SERVER_OPEN)
     ):
         return None
     buffered = h2conn.incoming_buffer
@@ -170,18 +164,31 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
             window.current_window_size -= length
             if window.current_window_size < 0:
                 raise h2.exceptions.FlowControlError("Flow control window shrunk below 0")
+        end_stream = bool(flags & END_STREAM_FLAG)
         if stream._expected_content_length is None:  # a tunnel: h2 only counts what came
             stream._actual_content_length += length
         else:
-            stream._track_content_length(length, False)
+            stream._track_content_length(length, end_stream)
     except h2.exceptions.ProtocolError as e:
         h2conn._terminate_connection(e.error_code)
         raise
-    return [
-        h2.events.DataReceived(
-            stream_id=stream_id, data=bytes(memoryview(frame)[FRAME_HEADER_LENGTH:]), flow_controlled_length=length
-        )
-    ]
+    received = h2.events.DataReceived(
+        stream_id=stream_id, data=bytes(memoryview(frame)[FRAME_HEADER_LENGTH:]), flow_controlled_length=length
+    )
+    if not end_stream:
+        return [received]
+    received.stream_ended = _end_received(stream.state_machine)
+    return [received, received.stream_ended]
+
+
+def _end_received(machine: h2.stream.H2StreamStateMachine) -> h2.events.StreamEnded:
+    """h2's RECV_END_STREAM on a stream that receives DATA (``stream_half_closed``, ``stream_ended``)."""
+    if machine.state is _STREAM_OPEN_BOTH_WAYS:
+        machine.state = h2.stream.StreamState.HALF_CLOSED_REMOTE
+    else:
+        machine.state = h2.stream.StreamState.CLOSED
+        machine.stream_closed_by = h2.stream.StreamClosedBy.RECV_END_STREAM
+    return h2.events.StreamEnded(stream_id=machine.stream_id)
 
 
 def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: bytes) -> bool:

@@ -10,7 +10,7 @@ import h2.errors
 from twisted.internet import defer
 from zope.interface import implementer
 
-from ztwisted.h2 import lean_data
+from ztwisted.h2 import lean_data, lean_streams
 from ztwisted.h2.settings import ConnectionGone, StreamRefused, TunnelError, TunnelRefused
 from ztwisted.interfaces import IPipeEnd
 
@@ -230,7 +230,7 @@ class Stream:
         if self._outbound_size == 0 and self._eof_pending:
             self._eof_pending = False
             self._local_closed = True
-            h2conn.end_stream(self.stream_id)
+            lean_streams.end_stream(h2conn, self.stream_id)
         if self._outbound_size or self._partner_paused:  # else apply_backpressure has nothing to do
             self.apply_backpressure()
         if self._local_closed:

@@ -232,22 +232,18 @@ def acknowledge_received_data(h2conn: h2.connection.H2Connection, size: int, str
     stream = h2conn.streams.get(stream_id)
     if stream is None or stream.state_machine.state not in _STREAM_OPEN:
         return False
-    connection_window = h2conn._inbound_flow_control_window_manager
-    stream_window = stream._inbound_window_manager
-    if _update_due(connection_window, size) or _update_due(stream_window, size):
-        return False
-    connection_window._bytes_processed += size
-    stream_window._bytes_processed += size
+    windows = (h2conn._inbound_flow_control_window_manager, stream._inbound_window_manager)
+    for window in windows:
+        # Whether h2's window manager (``WindowManager._maybe_update_window``) asks for a
+        # WINDOW_UPDATE once ``size`` more bytes were processed.
+        processed = window._bytes_processed + size
+        if processed >= window.max_window_size // 2 or (
+            window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4)
+        ):
+            return False
+    for window in windows:
+        window._bytes_processed += size
     return True
-
-
-def _update_due(window, size: int) -> bool:
-    """Whether h2's window manager (``WindowManager._maybe_update_window``) asks for a
-    WINDOW_UPDATE once ``size`` more bytes were processed."""
-    processed = window._bytes_processed + size
-    return processed >= window.max_window_size // 2 or (
-        window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4)
-    )
 
 
 def take_data_to_send(h2conn: h2.connection.H2Connection) -> bytes | bytearray:

@@ -418,6 +418,23 @@ def test_acknowledged_data_gives_the_same_windows_and_window_updates_as_h2():
     assert taken > 90 and left_to_h2 > 30  # the reset stream: every acknowledgement is h2's
 
 
+def test_an_acknowledgement_that_reaches_exactly_half_a_window_is_left_to_h2():
+    # h2 sends a WINDOW_UPDATE once half a window (rounded down) was taken back, not only past
+    # it; the windows are not empty here, so the rule for an empty window plays no part.
+    plain, lean = Server(lean=False), Server(lean=True)
+    for server in (plain, lean):
+        server.feed(data(b"x" * 16384) * 2 + data(b"x" * 7232))  # 40,000 of the 65,535 bytes
+        server.h2.data_to_send()
+    half = 65535 // 2
+    for size, lean_takes_it in ((half - 1, True), (1, False)):
+        plain.h2.acknowledge_received_data(size, 1)
+        assert lean_data.acknowledge_received_data(lean.h2, size, 1) is lean_takes_it
+        if not lean_takes_it:
+            lean.h2.acknowledge_received_data(size, 1)
+        assert lean.h2.data_to_send() == plain.h2.data_to_send()
+        assert window_counts(lean) == window_counts(plain)
+
+
 def test_acknowledgements_h2_must_check_are_left_to_it():
     server = Server(lean=True)
     server.feed(data(b"x" * 100))

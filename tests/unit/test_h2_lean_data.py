@@ -228,13 +228,18 @@ def test_filter_cuts_out_only_whole_plain_data_frames():
 
 
 class Client:
-    """A client-side h2 connection with stream 1 open (its CONNECT answered 200)."""
+    """A client-side h2 connection with stream 1 open (its CONNECT answered 200); ``peer_settings``
+    and ``peer_window_increment``: what the server announces, and adds to the connection's window."""
 
-    def __init__(self):
+    def __init__(self, peer_settings: dict | None = None, peer_window_increment: int = 0):
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
         self.h2.initiate_connection()
         peer.initiate_connection()
+        if peer_settings:
+            peer.update_settings(peer_settings)
+        if peer_window_increment:
+            peer.increment_flow_control_window(peer_window_increment)
         peer.receive_data(self.h2.data_to_send())
         self.h2.receive_data(peer.data_to_send())
         self.h2.send_headers(1, CONNECT)
@@ -242,6 +247,16 @@ class Client:
         peer.send_headers(1, [(":status", "200")])
         self.h2.receive_data(peer.data_to_send())
         self.h2.data_to_send()
+
+
+def test_sent_data_frames_longer_than_64_kib_are_the_bytes_h2_makes():
+    # A frame length takes 3 bytes: the high one is used from 64 KiB on (a peer allowing 1 MiB frames).
+    settings = {h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**20, h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**20}
+    plain, lean = Client(settings, 2**20), Client(settings, 2**20)
+    chunk = bytes(range(256)) * 1024  # 256 KiB
+    plain.h2.send_data(1, chunk)
+    assert lean_data.send_data_frame(lean.h2, 1, chunk)
+    assert lean.h2.data_to_send() == plain.h2.data_to_send()
 
 
 def test_sent_data_frames_are_the_bytes_and_windows_h2_makes():

@@ -39,7 +39,7 @@ ENHANCE_YOUR_CALM = 0xB
 MAX_STREAM_ID = 2**31 - 1
 #: a frame header: its 24-bit length (a high byte and the low 16 bits), type, flags and stream id
 #: (with the reserved bit)
-_FRAME_HEADER = struct.Struct(">BHBBL")
+FRAME_HEADER = struct.Struct(">BHBBL")
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 Buffer = bytes | bytearray | memoryview
@@ -183,7 +183,7 @@ class GoawayFilter:
                 continue
             if end - position < FRAME_HEADER_LENGTH:
                 break
-            length_high, length_low, frame_type, flags, stream_id = _FRAME_HEADER.unpack_from(data, position)
+            length_high, length_low, frame_type, flags, stream_id = FRAME_HEADER.unpack_from(data, position)
             length = length_high << 16 | length_low
             if frame_type != DATA_FRAME_TYPE or not 0 < length <= self._max_frame_size or self._empty_frames_in_a_row:
                 # (not for the usual frame, DATA with bytes within the size after one with bytes: no limit to hit)

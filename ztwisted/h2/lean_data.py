@@ -63,7 +63,7 @@ import h2.events
 import h2.exceptions
 import h2.stream
 
-from ztwisted.h2.goaway import DATA_FRAME_TYPE, FRAME_HEADER_LENGTH, MAX_STREAM_ID
+from ztwisted.h2.goaway import DATA_FRAME_TYPE, FRAME_HEADER, FRAME_HEADER_LENGTH, MAX_STREAM_ID
 
 #: the states in which h2 takes a DATA frame without changing state (a connection's state is an
 #: Enum, whose hash is a Python call: compared by identity)
@@ -207,7 +207,7 @@ def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: by
         return False
     h2conn.outbound_flow_control_window -= size
     stream.outbound_flow_control_window -= size
-    h2conn._data_to_send += size.to_bytes(3, "big") + _DATA_NO_FLAGS + stream_id.to_bytes(4, "big")
+    h2conn._data_to_send += FRAME_HEADER.pack(size >> 16, size & 0xFFFF, DATA_FRAME_TYPE, 0, stream_id)  # no flags
     h2conn._data_to_send += data
     return True
 
@@ -260,5 +260,3 @@ def take_data_to_send(h2conn: h2.connection.H2Connection) -> bytes | bytearray:
     h2conn._data_to_send = bytearray()
     return queued
 
-
-_DATA_NO_FLAGS = bytes([DATA_FRAME_TYPE, 0])

@@ -104,6 +104,16 @@ def _h2_connection(client: bool) -> h2.connection.H2Connection:
     return connection
 
 
+def _write_given_buffer(transport, data: bytes | bytearray) -> None:
+    """Write ``data``, h2's own buffer given away (:func:`~ztwisted.h2.lean_data.take_data_to_send`):
+    ztwisted's TLS transport (``tls.tls_factory``) takes it as it is, any other gets ``bytes``."""
+    write_buffer = getattr(transport, "write_buffer", None)
+    if write_buffer is not None:
+        write_buffer(data)
+    else:
+        transport.write(bytes(data))
+
+
 @implementer(IHandshakeListener, IPushProducer)
 class HBONEConnection(Protocol):
     """HTTP/2 over TLS for HBONE, client or server side.
@@ -115,8 +125,6 @@ class HBONEConnection(Protocol):
     """
 
     log = Logger()
-    #: whether the transport has ``write_buffer`` (see send_pending)
-    _transport_takes_buffers = False
 
     def __init__(
         self,
@@ -185,7 +193,6 @@ class HBONEConnection(Protocol):
     # -- Protocol ---------------------------------------------------------------
 
     def connectionMade(self) -> None:
-        self._transport_takes_buffers = hasattr(self.transport, "write_buffer")
         self.lifecycle.connected()
         s = self.settings
         self.h2.initiate_connection()
@@ -398,12 +405,7 @@ class HBONEConnection(Protocol):
         if data and self.lifecycle.writable:
             if self.flow.transport_paused and self.floods.unread_control_bytes(len(data)):
                 return
-            # h2's own buffer, given away (lean_data.take_data_to_send): ztwisted's TLS transport
-            # (tls.tls_factory) takes it as it is, any other gets bytes
-            if self._transport_takes_buffers:
-                self.transport.write_buffer(data)
-            else:
-                self.transport.write(bytes(data))
+            _write_given_buffer(self.transport, data)
 
     def peer_text(self) -> str:
         if self.peer_identity is not None:

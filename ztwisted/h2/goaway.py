@@ -192,10 +192,8 @@ class GoawayFilter:
             # GOAWAY frames, and plain DATA frames if asked, are cut out of the run whole (an
             # incomplete one waits in _pending or _held): no more than one frame of checked size.
             plain_data = frame_type == DATA_FRAME_TYPE and not flags & (PADDED_FLAG | END_STREAM_FLAG)
-            # (stream 0 with the reserved bit set is still stream 0)
-            cut_out_data = (
-                cut_out_data_frames and plain_data and not self._in_header_block and stream_id & MAX_STREAM_ID != 0
-            )
+            stream_id &= MAX_STREAM_ID  # without the reserved bit
+            cut_out_data = cut_out_data_frames and plain_data and not self._in_header_block and stream_id != 0
             if frame_type != GOAWAY_FRAME_TYPE and not cut_out_data:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH

@@ -259,4 +259,3 @@ def take_data_to_send(h2conn: h2.connection.H2Connection) -> bytes | bytearray:
         return b""
     h2conn._data_to_send = bytearray()
     return queued
-

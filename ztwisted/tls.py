@@ -476,6 +476,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             return self._tlsConnection.send(data)
         ssl = self._openssl
         try:
+            # bytes as they are (cffi passes their buffer), any other buffer through from_buffer
             result = _lib.SSL_write(ssl, data if type(data) is bytes else _ffi.from_buffer(data), len(data))
         except TypeError:  # this pyOpenSSL's SSL* is not a cffi pointer: its public methods from now on
             _WriteThroughTLSTransport.encrypts_directly = False

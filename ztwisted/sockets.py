@@ -365,7 +365,9 @@ class _WriteThrough:
             # its queue empties: what is written meanwhile must join that queue, or the FIN
             # would never follow it.
             and not self._writeDisconnecting
-            and self._nothing_queued()
+            # Nothing queued (_nothing_queued, inline: this is every message's path)
+            and not self._tempDataLen
+            and self.offset == len(self.dataBuffer)
             and data
         ):
             # Twisted's writeSomeData, without its helpers: Python retries a send interrupted by

@@ -404,6 +404,8 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
     _dropping_output = False
     # Bytes the TCP read being handled brought.
     _ciphertext_received = 0
+    # pyOpenSSL's internals the direct paths use (see makeConnection)
+    _openssl = _openssl_receive_bio = _openssl_send_bio = _openssl_error_check = None
 
     def __init__(self, factory, wrappedProtocol, _connectWrapped: bool = True) -> None:
         super().__init__(factory, wrappedProtocol, _connectWrapped)
@@ -415,7 +417,13 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
     def makeConnection(self, transport) -> None:
         write_through(transport)
         super().makeConnection(transport)
-        ssl = getattr(self._tlsConnection, "_ssl", None)  # pyOpenSSL's SSL*: not public API
+        # pyOpenSSL's SSL*, its memory BIOs and its error check, not public API: looked up once
+        # (None where this pyOpenSSL lacks one; the direct paths are then not taken).
+        connection = self._tlsConnection
+        self._openssl = ssl = getattr(connection, "_ssl", None)
+        self._openssl_receive_bio = getattr(connection, "_into_ssl", None)
+        self._openssl_send_bio = getattr(connection, "_from_ssl", None)
+        self._openssl_error_check = getattr(connection, "_raise_ssl_error", None)
         clear_mode = getattr(_lib, "SSL_clear_mode", None)
         if ssl is not None and clear_mode is not None:
             # pyOpenSSL turns on partial writes, with which SSL_write returns after each record.
@@ -461,18 +469,18 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
     def _encrypt(self, data) -> int:
         """One ``SSL_write`` of ``data``; raises pyOpenSSL's errors, as its ``send`` does."""
-        connection = self._tlsConnection
-        ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
-        raise_ssl_error = getattr(connection, "_raise_ssl_error", None)
+        raise_ssl_error = self._openssl_error_check
         # During the handshake pyOpenSSL's send also reports what its callbacks (certificate
         # verification, ALPN) raised: it stays with pyOpenSSL.
         if not (self._handshakeDone and _WriteThroughTLSTransport.encrypts_directly) or raise_ssl_error is None:
-            return connection.send(data)
+            return self._tlsConnection.send(data)
+        ssl = self._openssl
         try:
-            result = _lib.SSL_write(ssl, _ffi.from_buffer(data), len(data))
+            # bytes as they are (cffi passes their buffer), any other buffer through from_buffer
+            result = _lib.SSL_write(ssl, data if type(data) is bytes else _ffi.from_buffer(data), len(data))
         except TypeError:  # this pyOpenSSL's SSL* is not a cffi pointer: its public methods from now on
             _WriteThroughTLSTransport.encrypts_directly = False
-            return connection.send(data)
+            return self._tlsConnection.send(data)
         if result > 0:
             return result
         raise_ssl_error(ssl, result)
@@ -483,7 +491,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
     def _flush_send_bio(self, plaintext: int) -> None:
         """Hand TCP everything in the send BIO, in one write (``plaintext``: the bytes just encrypted)."""
-        bio = getattr(self._tlsConnection, "_from_ssl", None)  # pyOpenSSL's send BIO: not public API
+        bio = self._openssl_send_bio
         if bio is not None and _no_zero_buffer is not None and _WriteThroughTLSTransport.encrypts_directly:
             try:
                 pending = _lib.BIO_get_mem_data(bio, _ffi.NULL)  # a memory BIO's length
@@ -494,7 +502,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
                     buffer = _no_zero_buffer("char[]", pending)
                     taken = _lib.BIO_read(bio, buffer, pending)
                     if taken > 0 and not self._dropping_output:
-                        self.transport.write(_ffi.buffer(buffer, taken)[:])
+                        self.transport.write(_ffi.unpack(buffer, taken))
                 return
         # pyOpenSSL's bio_read: asked for a little more than there can be, BIO_read returns all
         # of it in one call; a full answer means there may be more.
@@ -513,7 +521,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
     def dataReceived(self, data: bytes) -> None:
         self._ciphertext_received = len(data)  # bounds the plaintext it can make (_flushReceiveBIO)
-        bio = getattr(self._tlsConnection, "_into_ssl", None)  # pyOpenSSL's receive BIO: not public API
+        bio = self._openssl_receive_bio
         if (
             not self._handshakeDone
             or self._appSendBuffer
@@ -523,7 +531,7 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             super().dataReceived(data)  # Twisted's: the handshake, writes held back until it is done
             return
         try:
-            written = _lib.BIO_write(bio, _ffi.from_buffer(data), len(data))
+            written = _lib.BIO_write(bio, data if type(data) is bytes else _ffi.from_buffer(data), len(data))
         except TypeError:
             _WriteThroughTLSTransport.encrypts_directly = False
             super().dataReceived(data)
@@ -560,9 +568,8 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         one, through pyOpenSSL's error check unless OpenSSL only wants more bytes (every read
         ends so: pyOpenSSL would raise a ``WantReadError`` each time).
         """
-        connection = self._tlsConnection
-        ssl = getattr(connection, "_ssl", None)  # pyOpenSSL's SSL* and error check: not public API
-        raise_ssl_error = getattr(connection, "_raise_ssl_error", None)
+        ssl = self._openssl
+        raise_ssl_error = self._openssl_error_check
         if (
             _no_zero_buffer is None
             or ssl is None
@@ -586,11 +593,11 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             if result > 0:
                 filled += result
                 if filled == size:
-                    pieces.append(_ffi.buffer(buffer, filled)[:])
+                    pieces.append(_ffi.unpack(buffer, filled))
                     filled = 0
                 continue
             if filled:
-                pieces.append(_ffi.buffer(buffer, filled)[:])
+                pieces.append(_ffi.unpack(buffer, filled))
             if _lib.SSL_get_error(ssl, result) == _lib.SSL_ERROR_WANT_READ:
                 # The rest of the bytes do not make a record yet: the usual end, without an exception.
                 return b"".join(pieces), False, None

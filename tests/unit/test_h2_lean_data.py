@@ -228,13 +228,18 @@ def test_filter_cuts_out_only_whole_unpadded_data_frames():
 
 
 class Client:
-    """A client-side h2 connection with stream 1 open (its CONNECT answered 200)."""
+    """A client-side h2 connection with stream 1 open (its CONNECT answered 200); ``peer_settings``
+    and ``peer_window_increment``: what the server announces, and adds to the connection's window."""
 
-    def __init__(self):
+    def __init__(self, peer_settings: dict | None = None, peer_window_increment: int = 0):
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
         self.h2.initiate_connection()
         peer.initiate_connection()
+        if peer_settings:
+            peer.update_settings(peer_settings)
+        if peer_window_increment:
+            peer.increment_flow_control_window(peer_window_increment)
         peer.receive_data(self.h2.data_to_send())
         self.h2.receive_data(peer.data_to_send())
         self.h2.send_headers(1, CONNECT)
@@ -242,6 +247,16 @@ class Client:
         peer.send_headers(1, [(":status", "200")])
         self.h2.receive_data(peer.data_to_send())
         self.h2.data_to_send()
+
+
+def test_sent_data_frames_longer_than_64_kib_are_the_bytes_h2_makes():
+    # A frame length takes 3 bytes: the high one is used from 64 KiB on (a peer allowing 1 MiB frames).
+    settings = {h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**20, h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**20}
+    plain, lean = Client(settings, 2**20), Client(settings, 2**20)
+    chunk = bytes(range(256)) * 1024  # 256 KiB
+    plain.h2.send_data(1, chunk)
+    assert lean_data.send_data_frame(lean.h2, 1, chunk)
+    assert lean.h2.data_to_send() == plain.h2.data_to_send()
 
 
 def test_sent_data_frames_are_the_bytes_and_windows_h2_makes():
@@ -416,6 +431,23 @@ def test_acknowledged_data_gives_the_same_windows_and_window_updates_as_h2():
         assert lean.h2.data_to_send() == plain.h2.data_to_send(), f"step {step}"
         assert window_counts(lean) == window_counts(plain), f"step {step}"
     assert taken > 90 and left_to_h2 > 30  # the reset stream: every acknowledgement is h2's
+
+
+def test_an_acknowledgement_that_reaches_exactly_half_a_window_is_left_to_h2():
+    # h2 sends a WINDOW_UPDATE once half a window (rounded down) was taken back, not only past
+    # it; the windows are not empty here, so the rule for an empty window plays no part.
+    plain, lean = Server(lean=False), Server(lean=True)
+    for server in (plain, lean):
+        server.feed(data(b"x" * 16384) * 2 + data(b"x" * 7232))  # 40,000 of the 65,535 bytes
+        server.h2.data_to_send()
+    half = 65535 // 2
+    for size, lean_takes_it in ((half - 1, True), (1, False)):
+        plain.h2.acknowledge_received_data(size, 1)
+        assert lean_data.acknowledge_received_data(lean.h2, size, 1) is lean_takes_it
+        if not lean_takes_it:
+            lean.h2.acknowledge_received_data(size, 1)
+        assert lean.h2.data_to_send() == plain.h2.data_to_send()
+        assert window_counts(lean) == window_counts(plain)
 
 
 def test_acknowledgements_h2_must_check_are_left_to_it():

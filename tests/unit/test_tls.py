@@ -597,6 +597,8 @@ def decrypting(request, monkeypatch):
     yield request.param
     if request.param == "internals found not to fit":
         assert not ztwisted.tls._WriteThroughTLSTransport.decrypts_directly, "the switch to recv was made"
+    if request.param == "into one buffer":
+        assert ztwisted.tls._WriteThroughTLSTransport.decrypts_directly, "no switch to recv was made"
 
 
 def assert_switched_if_the_error_check_does_not_fit(decrypting: str) -> None:
@@ -632,6 +634,8 @@ def encrypting(request, monkeypatch):
     yield request.param
     if request.param == "internals found not to fit":
         assert not ztwisted.tls._WriteThroughTLSTransport.encrypts_directly, "the switch to pyOpenSSL was made"
+    if request.param == "directly":
+        assert ztwisted.tls._WriteThroughTLSTransport.encrypts_directly, "no switch to pyOpenSSL was made"
 
 
 def test_tls_factory_delivers_the_records_of_one_read_in_one_call(server_cert, client_cert, decrypting, encrypting):
@@ -753,6 +757,37 @@ def test_tls_factory_write_buffer_sends_a_bytearray_it_is_given(server_cert, cli
     link.client_tls.write_buffer(bytearray(b", and a small one"))
     link.pump.flush()
     assert link.server.received == b"small, " + bytes(big) + b", and a small one"
+
+
+def _not_called(name: str):
+    def refuse(*args):
+        raise AssertionError(f"pyOpenSSL's {name} was called after the handshake")
+
+    return refuse
+
+
+def test_after_the_handshake_tls_calls_openssl_directly_whatever_buffer_it_is_given(server_cert, client_cert):
+    """With bindings that fit, a write (bytes or a bytearray), a read (bytes, a bytearray, a
+    memoryview) and the records that come out never go through pyOpenSSL's methods: the
+    handles the direct paths use are there from the start, and buffers other than bytes are
+    handed to OpenSSL as what they are, not refused (which would switch every connection to
+    pyOpenSSL's methods for good)."""
+    link, client = _counting_link(server_cert, client_cert)
+    connection = link.client_tls._tlsConnection
+    for name in ("send", "recv", "bio_write", "bio_read"):
+        setattr(connection, name, _not_called(name))  # this test's probes only
+    link.client_tls.write(b"small")
+    link.client_tls.write_buffer(bytearray(b"big" * 30_000))  # encrypted at once, from the bytearray
+    link.pump.flush()
+    assert link.server.received == b"small" + b"big" * 30_000
+    for kind in (bytes, bytearray, memoryview):
+        link.server_tls.write(kind.__name__.encode())
+        link.pump.clock.advance(0)  # the end of the peer's reactor turn: its write is encrypted
+        ciphertext = link.pump.serverIO.getOutBuffer()
+        link.client_tls.dataReceived(kind(ciphertext))
+    assert client.received == b"bytesbytearraymemoryview"
+    assert ztwisted.tls._WriteThroughTLSTransport.encrypts_directly
+    assert ztwisted.tls._WriteThroughTLSTransport.decrypts_directly
 
 
 def _link_aggregated_on(lean_reactor, server_cert, client_cert) -> tuple[Link, list[int], list[int]]:

@@ -7,6 +7,7 @@ import fcntl
 import socket
 import struct
 import termios
+import time
 
 import pytest
 import pytest_twisted
@@ -118,6 +119,45 @@ class _RecordingLoss(protocol.Protocol):
     def connectionLost(self, reason):
         self.reasons.append(reason)
         self.lost.callback(None)
+
+
+def _drain_the_kernels_buffers(client: socket.socket) -> bytes:
+    """What the kernel holds for ``client``, until the sender's socket buffer is empty too (its
+    last bytes acknowledged: a delayed ACK takes up to 200 ms). Blocks the reactor on purpose:
+    Twisted must not send meanwhile."""
+    client.setblocking(False)
+    chunks = []
+    waited = False
+    for _ in range(100):
+        try:
+            chunks.append(client.recv(1 << 20))
+            waited = False
+        except BlockingIOError:
+            if waited:
+                break
+            time.sleep(0.25)
+            waited = True
+    client.setblocking(True)
+    return b"".join(chunks)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_write_joins_what_twisted_is_still_sending_from_its_buffer():
+    """Twisted's queue is in two parts: writes not yet looked at (``_tempDataBuffer``) and the
+    buffer it is sending from (``dataBuffer`` after ``offset``). With the first part empty and
+    the second not, and room in the socket again, a write still joins the queue."""
+    transport, client = yield _connected_pair()
+    try:
+        big = _write_more_than_the_socket_takes(transport, client)
+        transport.doWrite()  # Twisted's turn for writability: the queue moves into dataBuffer
+        assert transport._tempDataLen == 0 and transport.offset < len(transport.dataBuffer)
+        head = _drain_the_kernels_buffers(client)  # room in the socket again, with no reactor turn in between
+        transport.write(b"tail")
+        rest = yield threads.deferToThread(_read_exactly, client, len(big) + 4 - len(head))
+        assert head + rest == big + b"tail"
+    finally:
+        client.close()
+        transport.abortConnection()
 
 
 @pytest_twisted.inlineCallbacks

@@ -39,6 +39,9 @@ PROTOCOL_ERROR = 0x1
 FRAME_SIZE_ERROR = 0x6
 ENHANCE_YOUR_CALM = 0xB
 MAX_STREAM_ID = 2**31 - 1
+#: a frame header: its 24-bit length (a high byte and the low 16 bits), type, flags and stream id
+#: (with the reserved bit)
+FRAME_HEADER = struct.Struct(">BHBBL")
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 Buffer = bytes | bytearray | memoryview
@@ -194,9 +197,8 @@ class GoawayFilter:
                 continue
             if end - position < FRAME_HEADER_LENGTH:
                 break
-            length = int.from_bytes(view[position : position + 3], "big")
-            frame_type = view[position + 3]
-            flags = view[position + 4]
+            length_high, length_low, frame_type, flags, stream_id = FRAME_HEADER.unpack_from(data, position)
+            length = length_high << 16 | length_low
             if frame_type != DATA_FRAME_TYPE or not 0 < length <= self._max_frame_size or self._empty_frames_in_a_row:
                 # (not for the usual frame, DATA with bytes within the size after one with bytes: no limit to hit)
                 self._check_limits(length, frame_type, flags)
@@ -204,7 +206,7 @@ class GoawayFilter:
             # GOAWAY frames, and if asked the frames a lean path may take, are cut out of the run whole
             # (an incomplete one waits in _pending or _held): no more than one frame of checked size.
             lean = (frame_type << 8 | flags) in LEAN_FRAME_KINDS
-            stream_id = int.from_bytes(view[position + 5 : position + FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
+            stream_id &= MAX_STREAM_ID  # without the reserved bit
             cut_out = cut_out_frames and lean and not self._in_header_block and stream_id != 0
             if frame_type != GOAWAY_FRAME_TYPE and not cut_out:
                 self._skip = length

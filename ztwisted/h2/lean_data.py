@@ -67,7 +67,14 @@ import h2.events
 import h2.exceptions
 import h2.stream
 
-from ztwisted.h2.goaway import DATA_FRAME_TYPE, END_STREAM_FLAG, FRAME_HEADER_LENGTH, MAX_STREAM_ID, PADDED_FLAG
+from ztwisted.h2.goaway import (
+    DATA_FRAME_TYPE,
+    END_STREAM_FLAG,
+    FRAME_HEADER,
+    FRAME_HEADER_LENGTH,
+    MAX_STREAM_ID,
+    PADDED_FLAG,
+)
 
 #: the states in which h2 takes a DATA frame without changing state (a connection's state is an
 #: Enum, whose hash is a Python call: compared by identity)
@@ -214,7 +221,7 @@ def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: by
         return False
     h2conn.outbound_flow_control_window -= size
     stream.outbound_flow_control_window -= size
-    h2conn._data_to_send += size.to_bytes(3, "big") + _DATA_NO_FLAGS + stream_id.to_bytes(4, "big")
+    h2conn._data_to_send += FRAME_HEADER.pack(size >> 16, size & 0xFFFF, DATA_FRAME_TYPE, 0, stream_id)  # no flags
     h2conn._data_to_send += data
     return True
 
@@ -239,22 +246,18 @@ def acknowledge_received_data(h2conn: h2.connection.H2Connection, size: int, str
     stream = h2conn.streams.get(stream_id)
     if stream is None or stream.state_machine.state not in _STREAM_OPEN:
         return False
-    connection_window = h2conn._inbound_flow_control_window_manager
-    stream_window = stream._inbound_window_manager
-    if _update_due(connection_window, size) or _update_due(stream_window, size):
-        return False
-    connection_window._bytes_processed += size
-    stream_window._bytes_processed += size
+    windows = (h2conn._inbound_flow_control_window_manager, stream._inbound_window_manager)
+    for window in windows:
+        # Whether h2's window manager (``WindowManager._maybe_update_window``) asks for a
+        # WINDOW_UPDATE once ``size`` more bytes were processed.
+        processed = window._bytes_processed + size
+        if processed >= window.max_window_size // 2 or (
+            window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4)
+        ):
+            return False
+    for window in windows:
+        window._bytes_processed += size
     return True
-
-
-def _update_due(window, size: int) -> bool:
-    """Whether h2's window manager (``WindowManager._maybe_update_window``) asks for a
-    WINDOW_UPDATE once ``size`` more bytes were processed."""
-    processed = window._bytes_processed + size
-    return processed >= window.max_window_size // 2 or (
-        window.current_window_size == 0 and processed > min(1024, window.max_window_size // 4)
-    )
 
 
 def take_data_to_send(h2conn: h2.connection.H2Connection) -> bytes | bytearray:
@@ -270,6 +273,3 @@ def take_data_to_send(h2conn: h2.connection.H2Connection) -> bytes | bytearray:
         return b""
     h2conn._data_to_send = bytearray()
     return queued
-
-
-_DATA_NO_FLAGS = bytes([DATA_FRAME_TYPE, 0])

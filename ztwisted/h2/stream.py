@@ -73,9 +73,21 @@ class Stream:
     def write(self, data: bytes) -> None:
         if self._done or self._local_closed or not data:
             return
+        connection = self.connection
+        if (
+            not self._outbound
+            and not connection.flow.transport_paused
+            and lean_data.send_data_frame(connection.h2, self.stream_id, data)
+        ):
+            # The usual message: nothing waits before it, and the windows and the frame size
+            # take it whole, so it went out as one frame, as flow.send and flush would send it.
+            # (With nothing waiting, the partner is not paused, and no END_STREAM is pending.)
+            self.bytes_sent += len(data)
+            connection.send_pending()
+            return
         self._outbound.append(data)
         self._outbound_size += len(data)
-        self.connection.flow.send(self)
+        connection.flow.send(self)
 
     def write_eof(self) -> None:
         if self._done or self._local_closed:

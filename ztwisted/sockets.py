@@ -492,7 +492,7 @@ class _ConnectedTransport(_WriteThrough, tcp.Server):
         the protocol fails in ``makeConnection``, the connection is aborted.
         """
         try:
-            if sock.family == socket.AF_INET6:
+            if ":" in address[0]:  # an IPv6 address (``sock.family`` converts to an enum each time)
                 peer = (*address[:2], 0, 0) if len(address) == 2 else tuple(address)
                 protocol = factory.buildProtocol(IPv6Address("TCP", *peer))
             else:

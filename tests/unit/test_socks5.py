@@ -329,13 +329,16 @@ def test_connection_lost_during_greeting_ends_its_timeout():
     assert h.errors == [] and h.messages() == [] and h.output() == b""
 
 
+def _factory_client(factory, port: int = 1) -> tuple[Socks5Protocol, StringTransport]:
+    """A client of ``factory``'s listener, connected: (its protocol, its transport)."""
+    protocol = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port))
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    return protocol, transport
+
+
 def _factory_clients(factory, count: int) -> list[StringTransport]:
-    transports = []
-    for port in range(count):
-        protocol = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port + 1))
-        transports.append(StringTransport())
-        protocol.makeConnection(transports[-1])
-    return transports
+    return [_factory_client(factory, port + 1)[1] for port in range(count)]
 
 
 def test_a_listeners_handshakes_time_out_each_after_its_own_time_on_one_timed_call():
@@ -358,10 +361,8 @@ def test_a_listeners_handshakes_time_out_each_after_its_own_time_on_one_timed_ca
 def test_a_handshake_that_completed_is_not_timed_out_by_the_shared_timer():
     clock = task.Clock()
     factory = Socks5Factory(lambda r: defer.Deferred(), clock=clock, handshake_timeout=3)
-    early = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
-    early_transport = StringTransport()
-    early.makeConnection(early_transport)
-    (waiting,) = _factory_clients(factory, 1)
+    early, early_transport = _factory_client(factory)
+    _, waiting = _factory_client(factory, 2)
     early.dataReceived(GREETING + CONNECT_IPV4)
     clock.advance(3)
     assert waiting.disconnecting
@@ -407,9 +408,7 @@ def test_garbage_never_raises(data):
 def test_factory_builds_configured_protocols():
     clock = task.Clock()
     factory = Socks5Factory(lambda r: defer.Deferred(), clock=clock, handshake_timeout=3)
-    protocol = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
-    transport = StringTransport()
-    protocol.makeConnection(transport)
+    protocol, transport = _factory_client(factory)
     clock.advance(3)
     assert transport.disconnecting
     assert protocol.factory is factory

@@ -69,8 +69,10 @@ def authorize(
     destination_port: int,
 ) -> Decision:
     """Decide whether `source` may connect to `destination`."""
-    conn = Connection(source, source_ip, destination_ip, destination_port)
     applicable = applicable_policies(policies, destination)
+    if not applicable:  # as the loops below would decide, without a Connection to match against
+        return _NO_POLICIES
+    conn = Connection(source, source_ip, destination_ip, destination_port)
     dry_run = tuple(p.key for p in applicable if p.dry_run and policy_matches(p, conn))
     enforced = [p for p in applicable if not p.dry_run]
     for p in enforced:
@@ -83,6 +85,9 @@ def authorize(
         if policy_matches(p, conn):
             return Decision(True, p.key, "allowed by policy", dry_run)
     return Decision(False, None, "no allow policy matched", dry_run)
+
+
+_NO_POLICIES = Decision(True, None, "no allow policies")
 
 
 def policy_matches(policy: Policy, conn: Connection) -> bool:

@@ -214,12 +214,22 @@ def access_log(log: Logger, **fields: Any) -> None:
     # Field names hold dots, which a format string cannot name: the text is rendered by a
     # call, and only for an observer that formats it (the JSON observer writes the fields).
     access = log if log.namespace == ACCESS_NAMESPACE else _access_logger(log)
-    access.emit(
-        level,
-        _ACCESS_FORMAT,
-        **{_BRIEF_KEY: ACCESS_MESSAGE, _TEXT_KEY: functools.partial(_access_text, ordered), _FIELDS_KEY: ordered},
+    # The event Logger.emit(level, _ACCESS_FORMAT, ...) would make, without its check that
+    # ``level`` is a LogLevel (it is one of two here): that check sorts LogLevel's constants
+    # through constantly's lookups, for every line.
+    event = {
+        _BRIEF_KEY: ACCESS_MESSAGE,
+        _TEXT_KEY: functools.partial(_access_text, ordered),
+        _FIELDS_KEY: ordered,
         **ordered,
-    )
+        "log_logger": access,
+        "log_level": level,
+        "log_namespace": access.namespace,
+        "log_source": access.source,
+        "log_format": _ACCESS_FORMAT,
+        "log_time": time.time(),
+    }
+    access.observer(event)
 
 
 _ACCESS_FORMAT = "{" + _TEXT_KEY + "()}"

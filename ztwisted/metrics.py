@@ -122,13 +122,28 @@ class _WithoutCreated:
 
 
 @attrs.frozen
-class _TrafficChildren:
-    """The four istio_tcp_* counters of one label set."""
+class TrafficSeries:
+    """The four istio_tcp_* series of one label set (see :meth:`Metrics.traffic`)."""
 
-    opened: Any
-    closed: Any
-    sent: Any
-    received: Any
+    _opened: Any
+    _closed: Any
+    _sent: Any
+    _received: Any
+
+    def opened(self) -> None:
+        self._opened.inc()
+
+    def closed(self) -> None:
+        self._closed.inc()
+
+    def bytes(self, sent: int = 0, received: int = 0) -> None:
+        """Count bytes as ztunnel's counters name them (no reporter-dependent flip)."""
+        if sent < 0 or received < 0:
+            raise ValueError(f"byte counts cannot be negative (sent={sent}, received={received})")
+        if sent:
+            self._sent.inc(sent)
+        if received:
+            self._received.inc(received)
 
 
 class Metrics:
@@ -139,7 +154,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._metrics: dict[str, tuple[type, tuple[str, ...], Any]] = {}
-        self._traffic_children: dict[ConnectionLabels, _TrafficChildren] = {}
+        self._traffic_series: dict[ConnectionLabels, TrafficSeries] = {}
 
         self.connections_opened = self.counter(
             "istio_tcp_connections_opened_total", "The total number of TCP connections opened", TRAFFIC_LABELS
@@ -178,40 +193,35 @@ class Metrics:
     # -- istio_tcp_* helpers -------------------------------------------------
 
     def opened(self, labels: ConnectionLabels) -> None:
-        self._traffic(labels).opened.inc()
+        self.traffic(labels).opened()
 
     def closed(self, labels: ConnectionLabels) -> None:
-        self._traffic(labels).closed.inc()
+        self.traffic(labels).closed()
 
     def bytes(self, labels: ConnectionLabels, sent: int = 0, received: int = 0) -> None:
         """Count bytes as ztunnel's counters name them (no reporter-dependent flip)."""
-        if sent < 0 or received < 0:
-            raise ValueError(f"byte counts cannot be negative (sent={sent}, received={received})")
-        children = self._traffic(labels)
-        if sent:
-            children.sent.inc(sent)
-        if received:
-            children.received.inc(received)
+        self.traffic(labels).bytes(sent, received)
 
-    def _traffic(self, labels: ConnectionLabels) -> _TrafficChildren:
+    def traffic(self, labels: ConnectionLabels) -> TrafficSeries:
         """The istio_tcp_* series of one label set, resolved once.
 
         prometheus_client's ``labels()`` validates and looks up its eleven
-        values on every call; a connection updates four series. The cache
-        holds no more than prometheus_client itself keeps (a child per label
-        set, never removed).
+        values on every call; a connection updates four series (a
+        connection's record looks its series up once, when it opens). The
+        cache holds no more than prometheus_client itself keeps (a child per
+        label set, never removed).
         """
-        children = self._traffic_children.get(labels)
-        if children is None:
+        series = self._traffic_series.get(labels)
+        if series is None:
             values = labels.as_dict()
-            children = _TrafficChildren(
+            series = TrafficSeries(
                 opened=self.connections_opened.labels(**values),
                 closed=self.connections_closed.labels(**values),
                 sent=self.sent_bytes.labels(**values),
                 received=self.received_bytes.labels(**values),
             )
-            self._traffic_children[labels] = children
-        return children
+            self._traffic_series[labels] = series
+        return series
 
     # -- create-or-return ----------------------------------------------------
 

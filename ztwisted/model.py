@@ -48,6 +48,23 @@ class FrozenMap(Mapping[K, V]):
     def __len__(self) -> int:
         return len(self._data)
 
+    # The dict's own (read-only) views and lookups: Mapping's generic ones are Python code
+    # over __iter__ and __getitem__, run for every tunnel (a workload's services and ports).
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def get(self, key, default=None):
+        return self._data.get(key, default)
+
+    def keys(self):
+        return self._data.keys()
+
+    def items(self):
+        return self._data.items()
+
+    def values(self):
+        return self._data.values()
+
     def __hash__(self) -> int:
         if self._hash is None:
             self._hash = hash(frozenset(self._data.items()))

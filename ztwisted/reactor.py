@@ -202,7 +202,7 @@ class AfterEventsClock:
 
     def callLater(self, delay: float, callable: Callable[..., Any], *args: Any, **kw: Any):
         if delay == 0:
-            return self.reactor.callAfterEvents(functools.partial(callable, *args, **kw) if args or kw else callable)
+            return call_after_events(self.reactor, callable, *args, **kw)
         return self.reactor.callLater(delay, callable, *args, **kw)
 
     def seconds(self) -> float:
@@ -210,6 +210,19 @@ class AfterEventsClock:
 
     def getDelayedCalls(self):
         return self.reactor.getDelayedCalls()
+
+
+def call_after_events(reactor: IReactorTime, function: Callable[..., Any], *args: Any, **kw: Any):
+    """``function(*args, **kw)`` at the end of the current reactor turn; returns what ``cancel()`` stops.
+
+    On ztwisted's reactor an after-events call (:meth:`LeanEPollReactor.callAfterEvents`),
+    on any other a ``callLater(0)``: the same moment (after the ready sockets of the poll,
+    before the reactor waits again), without a timed call on Twisted's heap and the upkeep
+    of the timed-call queue in the next turn.
+    """
+    if isinstance(reactor, LeanEPollReactor):
+        return reactor.callAfterEvents(functools.partial(function, *args, **kw) if args or kw else function)
+    return reactor.callLater(0, function, *args, **kw)
 
 
 def write_aggregation_clock(reactor: IReactorTime) -> IReactorTime:

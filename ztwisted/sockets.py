@@ -19,6 +19,9 @@ from twisted.internet.protocol import Factory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from ztwisted.model import parse_ip
+from ztwisted.reactor import call_after_events
+
 log = Logger()
 
 SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h; IP6T_SO_ORIGINAL_DST has the same number
@@ -83,6 +86,9 @@ def adopt_listening_socket(reactor, sock: socket.socket, factory):
         # Twisted's Port builds each accepted connection with its ``transport`` class;
         # nothing is accepted before the reactor runs again.
         port.transport = _with_write_through(port.transport)
+        # Its ``_logger`` is a class attribute that builds a new Logger on every read (twice
+        # per round of accepts); the port's own, made once, shadows it.
+        port._logger = port._logger
     return port
 
 
@@ -146,7 +152,8 @@ def client_socket(
     before the connect (a connected socket inherits it from no listener; see
     :func:`write_through`).
     """
-    family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+    # parse_ip: node-b connects to the same few app addresses again and again.
+    family = socket.AF_INET6 if parse_ip(ip).version == 6 else socket.AF_INET
     # Non-blocking from the start (the connect below must not block).
     sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
     try:
@@ -257,10 +264,10 @@ def connect_socket(
         # handshake is over by the time connect() returns: no poll and no connect timeout. The result
         # still comes after the caller's current work, at the end of this reactor iteration,
         # as a connect that waits would (callers act on the stream it is for; h2 may have
-        # more to say about that stream from the same read).
-        delayed = None
-        ready: defer.Deferred[None] = defer.Deferred(lambda _: delayed.cancel())
-        delayed = reactor.callLater(0, ready.callback, None)
+        # more to say about that stream from the same read): an after-events call, not a timed one.
+        at_turn_end = None
+        ready: defer.Deferred[None] = defer.Deferred(lambda _: at_turn_end.cancel())
+        at_turn_end = call_after_events(reactor, ready.callback, None)
     else:
         ready = _ConnectWaiter(reactor, sock, address, timeout).result
 
@@ -327,6 +334,10 @@ try:
     _malloc_trim = ctypes.CDLL(None).malloc_trim
 except (OSError, AttributeError):  # pragma: no cover (not glibc)
     _malloc_trim = None
+
+
+#: the reason given to every write-through connection closed after its sending side
+_CONNECTION_DONE = Failure(main.CONNECTION_DONE)
 
 
 class _WriteThrough:
@@ -400,6 +411,18 @@ class _WriteThrough:
             return
         super().loseWriteConnection()
 
+    def loseConnection(self) -> None:
+        # Sending side already shut down (the usual end of a proxied connection: the partner's
+        # end, then the peer's): Twisted's FileDescriptor.loseConnection stops reading and
+        # writing, which connectionLost does again, and builds a new Failure(ConnectionDone),
+        # whose first check() names every class of the exception (reflect.qual on its MRO).
+        # The reactor's own ends of connections share one Failure per kind (its
+        # _disconnectSelectable); so does this.
+        if self.connected and not self.disconnecting and self._writeDisconnected:
+            self.connectionLost(_CONNECTION_DONE)
+            return
+        super().loseConnection()
+
     def _closeWriteConnection(self) -> None:
         # The FIN goes out here, so the final close needs no shutdown(SHUT_RDWR) before it
         # (Twisted's "just to be safe" for a socket another process holds; ours are close-on-exec).
@@ -471,7 +494,7 @@ class _ConnectedTransport(_WriteThrough, tcp.Server):
         the protocol fails in ``makeConnection``, the connection is aborted.
         """
         try:
-            if sock.family == socket.AF_INET6:
+            if ":" in address[0]:  # an IPv6 address (``sock.family`` converts to an enum each time)
                 peer = (*address[:2], 0, 0) if len(address) == 2 else tuple(address)
                 protocol = factory.buildProtocol(IPv6Address("TCP", *peer))
             else:

@@ -208,6 +208,29 @@ def test_access_log_through_a_logger_of_another_namespace_is_in_the_access_names
     assert event["log_source"] is source
 
 
+def test_an_access_log_event_is_the_one_loggers_emit_makes():
+    # access_log builds the event itself (without emit's check of the level): the same keys,
+    # in the same order, and the same values.
+    events: list[dict] = []
+    log = Logger(namespace="access", source=object(), observer=events.append)
+    access_log(log, src_addr="10.0.0.1:4000", direction="inbound", bytes_sent=3, error="reset")
+    (made,) = events
+    fields = made["log_access_fields"]
+    log.emit(
+        LogLevel.error,
+        made["log_format"],
+        log_brief=made["log_brief"],
+        log_access_text=made["log_access_text"],
+        log_access_fields=fields,
+        **fields,
+    )
+    emitted = events[1]
+    assert list(made) == list(emitted)
+    assert {k: v for k, v in made.items() if k != "log_time"} == {k: v for k, v in emitted.items() if k != "log_time"}
+    assert made["log_level"] is LogLevel.error and made["log_logger"] is log
+    assert abs(made["log_time"] - emitted["log_time"]) < 60
+
+
 def test_access_log_text_survives_braces_and_twisteds_own_text_observer():
     buf = io.StringIO()
     log = Logger(namespace="x", observer=textFileLogObserver(buf))

@@ -80,6 +80,17 @@ def test_frozen_map_compares_with_dicts_and_rejects_assignment():
         m[1] = 5
 
 
+def test_frozen_map_reads_like_its_dict_and_its_views_do_not_write():
+    m = FrozenMap({"a": 1, "b": 2})
+    assert "a" in m and "c" not in m
+    assert m.get("a") == 1 and m.get("c") is None and m.get("c", 3) == 3
+    assert list(m.keys()) == ["a", "b"] and list(m.values()) == [1, 2] and list(m.items()) == [("a", 1), ("b", 2)]
+    assert 2 in m.values() and ("b", 2) in m.items()
+    for view in (m.keys(), m.values(), m.items()):
+        assert not hasattr(view, "__setitem__") and not hasattr(view, "pop")
+    assert m == {"a": 1, "b": 2}
+
+
 def test_lookups():
     client = workload("client", "127.0.2.1", node="node-a")
     echo = workload("echo", "127.0.3.1", services={ECHO_KEY: {80: 8080}})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import h2.errors
+import h2.exceptions
 from twisted.internet import defer, error, task
 from twisted.test import iosim
 
@@ -409,3 +410,64 @@ def test_connections_by_destination_and_snapshot():
             "goaway_received": True,
         },
     ]
+
+
+def test_an_idle_connection_is_released_five_minutes_after_its_last_stream_not_its_first_idle_moment():
+    s = Setup()
+    finish(result_of(_opened(s)), s.net.requests[0])
+    s.net.flush()
+    s.advance(200)
+    second = result_of(_opened(s))
+    s.advance(50)
+    finish(second, s.net.requests[1])  # idle again at 250
+    s.net.flush()
+    s.advance(200)  # 450: past five minutes from the first idle moment, not from the last
+    assert s.pool.connections() == [s.net.clients[0]]
+    s.advance(99)
+    assert s.pool.connections() == [s.net.clients[0]]
+    s.advance(2)
+    assert s.pool.connections() == []
+
+
+def test_a_connection_busy_when_its_idle_timer_fires_is_released_five_minutes_after_its_streams_end():
+    s = Setup()
+    finish(result_of(_opened(s)), s.net.requests[0])
+    s.net.flush()
+    s.advance(100)
+    busy = result_of(_opened(s))
+    s.advance(300)  # the idle timer fired while a stream was open
+    assert s.pool.connections() == [s.net.clients[0]]
+    finish(busy, s.net.requests[1])
+    s.net.flush()
+    s.advance(299)
+    assert s.pool.connections() == [s.net.clients[0]]
+    s.advance(2)
+    assert s.pool.connections() == []
+
+
+def test_short_tunnels_one_after_another_keep_one_idle_timer():
+    # The timer is not cancelled and made anew for every tunnel: it looks when it fires.
+    s = Setup()
+    finish(result_of(_opened(s)), s.net.requests[0])
+    s.net.flush()
+    (client,) = s.net.clients
+    timer = s.pool._idle_timers[client]
+    for index in range(1, 4):
+        s.advance(10)
+        finish(result_of(_opened(s)), s.net.requests[index])
+        s.net.flush()
+        assert s.pool._idle_timers[client] is timer and timer.active()
+
+
+def test_a_tunnel_that_cannot_be_opened_on_a_free_connection_fails_its_deferred(monkeypatch):
+    s = Setup()
+    finish(result_of(_opened(s)), s.net.requests[0])
+    s.net.flush()
+    (client,) = s.net.clients
+
+    def exhausted():
+        raise h2.exceptions.NoAvailableStreamIDError("no stream IDs left")
+
+    monkeypatch.setattr(client.h2, "get_next_available_stream_id", exhausted)
+    failure = result_of(s.open())
+    assert failure.check(h2.exceptions.NoAvailableStreamIDError)

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from twisted.application.reactors import getReactorTypes
+from twisted.internet import task
 from twisted.internet.abstract import FileDescriptor
 from twisted.internet.error import ConnectionDone, ConnectionFdescWentAway, ConnectionLost
 from twisted.internet.interfaces import IHalfCloseableDescriptor
@@ -14,7 +15,13 @@ from twisted.internet.main import CONNECTION_DONE
 from twisted.python import log as legacy_log
 from zope.interface import implementer
 
-from ztwisted.reactor import AfterEventsClock, LeanEPollReactor, install_unless_chosen, write_aggregation_clock
+from ztwisted.reactor import (
+    AfterEventsClock,
+    LeanEPollReactor,
+    call_after_events,
+    install_unless_chosen,
+    write_aggregation_clock,
+)
 
 
 class Readable(FileDescriptor):
@@ -315,6 +322,25 @@ def test_on_another_reactor_the_write_aggregation_clock_is_that_reactor():
     from twisted.internet import reactor
 
     assert write_aggregation_clock(reactor) is reactor
+
+
+def test_call_after_events_is_an_after_events_call_on_this_reactor(lean_reactor):
+    made = []
+    call_after_events(lean_reactor, made.append, "now")
+    call_after_events(lean_reactor, made.append, "never").cancel()
+    assert lean_reactor.getDelayedCalls() == [], "no timed call"
+    lean_reactor.doIteration(0)
+    assert made == ["now"]
+
+
+def test_call_after_events_is_a_call_later_0_on_another_reactor():
+    clock = task.Clock()
+    made = []
+    call_after_events(clock, made.append, "now")
+    call_after_events(clock, made.append, "never").cancel()
+    assert made == []
+    clock.advance(0)
+    assert made == ["now"]
 
 
 def test_twistd_finds_it_as_the_ztwisted_epoll_reactor_plugin():

@@ -310,7 +310,7 @@ def test_timeout_stops_once_request_is_read():
     h.feed(GREETING + CONNECT_IPV4)
     h.clock.advance(60)
     assert not h.transport.disconnecting
-    assert h.clock.getDelayedCalls() == []
+    assert h.errors == [] and h.messages() == []
 
 
 def test_client_leaving_while_connecting_cancels_the_connect():
@@ -321,11 +321,54 @@ def test_client_leaving_while_connecting_cancels_the_connect():
     assert h.output() == METHOD_OK
 
 
-def test_connection_lost_during_greeting_cancels_timer():
+def test_connection_lost_during_greeting_ends_its_timeout():
     h = Harness()
     h.feed(b"\x05")
     h.protocol.connectionLost(Failure(error.ConnectionLost()))
-    assert h.clock.getDelayedCalls() == []
+    h.clock.advance(60)
+    assert h.errors == [] and h.messages() == [] and h.output() == b""
+
+
+def _factory_client(factory, port: int = 1) -> tuple[Socks5Protocol, StringTransport]:
+    """A client of ``factory``'s listener, connected: (its protocol, its transport)."""
+    protocol = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", port))
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    return protocol, transport
+
+
+def _factory_clients(factory, count: int) -> list[StringTransport]:
+    return [_factory_client(factory, port + 1)[1] for port in range(count)]
+
+
+def test_a_listeners_handshakes_time_out_each_after_its_own_time_on_one_timed_call():
+    clock = task.Clock()
+    factory = Socks5Factory(lambda r: defer.Deferred(), clock=clock, handshake_timeout=3)
+    first, second = _factory_clients(factory, 2)
+    clock.advance(1)
+    (third,) = _factory_clients(factory, 1)
+    assert len(clock.getDelayedCalls()) == 1, "one timed call for all of them, not one per client"
+    clock.advance(1.9)
+    assert not any(t.disconnecting for t in (first, second, third))
+    clock.advance(0.1)  # 3 s after the first two
+    assert first.disconnecting and second.disconnecting and not third.disconnecting
+    clock.advance(0.9)
+    assert not third.disconnecting
+    clock.advance(0.1)  # 3 s after the third
+    assert third.disconnecting
+
+
+def test_a_handshake_that_completed_is_not_timed_out_by_the_shared_timer():
+    clock = task.Clock()
+    factory = Socks5Factory(lambda r: defer.Deferred(), clock=clock, handshake_timeout=3)
+    early, early_transport = _factory_client(factory)
+    _, waiting = _factory_client(factory, 2)
+    early.dataReceived(GREETING + CONNECT_IPV4)
+    clock.advance(3)
+    assert waiting.disconnecting
+    assert not early_transport.disconnecting
+    clock.advance(30)
+    assert not early_transport.disconnecting
 
 
 def test_half_close_during_handshake_closes():
@@ -365,9 +408,7 @@ def test_garbage_never_raises(data):
 def test_factory_builds_configured_protocols():
     clock = task.Clock()
     factory = Socks5Factory(lambda r: defer.Deferred(), clock=clock, handshake_timeout=3)
-    protocol = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
-    transport = StringTransport()
-    protocol.makeConnection(transport)
+    protocol, transport = _factory_client(factory)
     clock.advance(3)
     assert transport.disconnecting
     assert protocol.factory is factory

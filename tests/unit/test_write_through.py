@@ -17,6 +17,7 @@ from twisted.internet.interfaces import IHalfCloseableProtocol
 from zope.interface import implementer
 
 from ztwisted.sockets import (
+    _CONNECTION_DONE,
     READ_SIZE,
     _ConnectWaiter,
     adopt_listening_socket,
@@ -606,3 +607,103 @@ def test_a_half_close_asked_for_with_a_producer_registered_comes_after_what_the_
     finally:
         client.close()
         transport.abortConnection()
+
+
+@implementer(IHalfCloseableProtocol)
+class _HalfClosingRecordingLoss(_RecordingLoss):
+    def readConnectionLost(self):
+        pass
+
+    def writeConnectionLost(self):
+        pass
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_connection_closed_after_its_half_close_ends_at_once_with_connection_done():
+    transport, client = yield _connected_pair()
+    try:
+        recorder = _HalfClosingRecordingLoss()
+        transport.protocol = recorder
+        write_through(transport)
+        transport.loseWriteConnection()  # nothing queued: shut down at once
+        transport.loseConnection()
+        # No reactor turn in between: the socket is closed and the protocol told.
+        assert recorder.lost.called and not transport.connected
+        assert transport not in reactor.getReaders() and transport not in reactor.getWriters()
+        (reason,) = recorder.reasons
+        assert reason.check(ConnectionDone)
+        # One Failure for all of them, as the reactor's own ends of connections: not a new one
+        # (whose first check() names every class of the exception) per connection.
+        assert reason is _CONNECTION_DONE
+        transport.loseConnection()  # once closed, nothing more happens
+        assert len(recorder.reasons) == 1
+        client.settimeout(5)
+        assert client.recv(100) == b"", "the peer sees the end"
+    finally:
+        client.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_connection_closed_before_its_half_close_still_writes_what_is_queued_first():
+    # Only a connection whose sending side is already shut down ends at once; one with
+    # bytes queued ends once Twisted has written them.
+    transport, client = yield _connected_pair()
+    try:
+        recorder = _RecordingLoss()
+        transport.protocol = recorder
+        big = _write_more_than_the_socket_takes(transport, client)
+        transport.loseConnection()
+        assert not recorder.lost.called, "the queued bytes come first"
+        received = yield threads.deferToThread(_read_to_eof, client)
+        assert received == big
+        yield recorder.lost
+        assert [reason.check(ConnectionDone) for reason in recorder.reasons] == [ConnectionDone]
+    finally:
+        client.close()
+
+
+def test_the_proxys_listeners_keep_one_logger(lean_reactor):
+    # Twisted's Port reads its class's ``_logger`` on every round of accepts, a descriptor
+    # that builds a new Logger each time.
+    port = adopt_listening_socket(lean_reactor, listening_socket("127.0.0.1", 0, reuse_port=False), protocol.Factory())
+    try:
+        assert port._logger is port._logger
+        assert port._logger.source is port
+    finally:
+        port.stopReading()
+        port.socket.close()
+
+
+def test_a_connect_complete_at_once_reports_after_the_events_of_the_turn_without_a_timed_call(lean_reactor):
+    listener = socket.create_server(("127.0.0.1", 0))
+    sock = client_socket("127.0.0.1")
+    try:
+        connecting = connect_socket(
+            lean_reactor, sock, listener.getsockname(), protocol.Factory.forProtocol(_Received), timeout=5
+        )
+        assert lean_reactor.getDelayedCalls() == [], "no timed call (nor the connect timeout) on Twisted's heap"
+        assert not connecting.called, "not within the caller's own work"
+        lean_reactor.doIteration(0)  # the end of the reactor turn
+        made = connecting.result
+        assert made.transport.getHandle() is sock
+        made.transport.abortConnection()
+        lean_reactor.doIteration(0)
+    finally:
+        listener.close()
+        sock.close()
+
+
+def test_a_connect_cancelled_before_the_end_of_the_turn_builds_no_transport(lean_reactor):
+    listener = socket.create_server(("127.0.0.1", 0))
+    sock = client_socket("127.0.0.1")
+    try:
+        built = []
+        factory = protocol.Factory.forProtocol(_Received)
+        factory.buildProtocol = lambda addr: built.append(addr)
+        connecting = connect_socket(lean_reactor, sock, listener.getsockname(), factory, timeout=5)
+        connecting.addErrback(lambda failure: failure.trap(defer.CancelledError))
+        connecting.cancel()
+        lean_reactor.doIteration(0)
+        assert built == [] and sock.fileno() == -1
+    finally:
+        listener.close()

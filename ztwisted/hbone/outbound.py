@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 
 import attrs
 from hpack import NeverIndexedHeaderTuple
@@ -254,17 +255,24 @@ def _authority(ip: str, port: int) -> str:
 
 
 def _baggage(workload) -> str:
+    return _baggage_of(
+        workload.namespace, workload.name, workload.canonical_name, getattr(workload, "canonical_revision", None)
+    )
+
+
+@functools.lru_cache(maxsize=1024)  # a node's few local workloads, each on every connection it makes
+def _baggage_of(namespace: str | None, name: str | None, canonical_name: str | None, revision: str | None) -> str:
     # Stripped, as h2's normalization (not used for the CONNECT) would: a hand-written config's
     # "client-1 " would otherwise be a header value a peer rejects with the whole connection.
     def text(value: str | None) -> str:
         return (value or "").strip()
 
-    name = text(workload.name)
+    name = text(name)
     items = {
-        "k8s.namespace.name": text(workload.namespace),
+        "k8s.namespace.name": text(namespace),
         "k8s.pod.name": name,
-        "service.name": text(workload.canonical_name) or name,
-        "service.version": text(getattr(workload, "canonical_revision", None)),
+        "service.name": text(canonical_name) or name,
+        "service.version": text(revision),
     }
     return ",".join(f"{key}={value}" for key, value in items.items() if value)
 

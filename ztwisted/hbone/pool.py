@@ -47,7 +47,10 @@ class ConnectionPool:
     _connections: dict[PoolKey, list[HBONEConnection]] = attrs.field(init=False, factory=dict)
     #: waiters of the single connect in flight per key
     _connecting: dict[PoolKey, list[defer.Deferred]] = attrs.field(init=False, factory=dict)
+    #: at most one timer per connection, armed when it became idle and looking again when it fires
     _idle_timers: dict[HBONEConnection, object] = attrs.field(init=False, factory=dict)
+    #: when each connection last had its last stream finish
+    _idle_since: dict[HBONEConnection, float] = attrs.field(init=False, factory=dict)
     _keys: dict[HBONEConnection, PoolKey] = attrs.field(init=False, factory=dict)
     #: consecutive failed connects per key (for ``connect_backoff``)
     _failures: dict[PoolKey, int] = attrs.field(init=False, factory=dict)
@@ -61,7 +64,7 @@ class ConnectionPool:
         headers = list(headers)
 
         def open_on(connection: HBONEConnection) -> defer.Deferred:
-            self._cancel_idle(connection)
+            # No timer to cancel: the idle timer looks at the connection when it fires.
             return connection.open_tunnel(authority, headers)
 
         def retry_if_refused(failure, refused_on: HBONEConnection) -> defer.Deferred:
@@ -73,9 +76,18 @@ class ConnectionPool:
             )
             return self._acquire(key, exclude=refused_on).addCallback(open_on)
 
-        return self._acquire(key).addCallback(
-            lambda connection: open_on(connection).addErrback(retry_if_refused, connection)
-        )
+        def open_with_retry(connection: HBONEConnection) -> defer.Deferred:
+            return open_on(connection).addErrback(retry_if_refused, connection)
+
+        connection = self._free_connection(key, None)
+        if connection is None:
+            return self._acquire(key).addCallback(open_with_retry)
+        # Nearly always: the tunnel's Deferred is the stream's, not one chained behind an
+        # already fired one (a Deferred, a callback run and a chaining fewer per tunnel).
+        try:
+            return open_with_retry(connection)
+        except Exception:  # as a callback's exception would: the tunnel fails, the caller is not raised at
+            return defer.fail()
 
     def _acquire(self, key: PoolKey, exclude: HBONEConnection | None = None) -> defer.Deferred:
         """Fires with a connection for ``key`` (not ``exclude``) that takes another stream, once there is one."""
@@ -151,18 +163,33 @@ class ConnectionPool:
             self._connections.pop(key, None)
 
     def _stream_finished(self, connection: HBONEConnection) -> None:
-        if not connection.streams and connection.usable and connection not in self._idle_timers:
-            self._idle_timers[connection] = self.clock.callLater(self.idle_timeout, self._release_idle, connection)
+        # Idle from now on. A connection that carries one short tunnel after another goes idle
+        # and busy again with every tunnel: the timer is not cancelled and armed anew each
+        # time (a timed call and its upkeep per tunnel) but, armed once, looks when it fires.
+        if not connection.streams and connection.usable:
+            self._idle_since[connection] = self.clock.seconds()
+            if connection not in self._idle_timers:
+                self._arm_idle_timer(connection, self.idle_timeout)
+
+    def _arm_idle_timer(self, connection: HBONEConnection, delay: float) -> None:
+        self._idle_timers[connection] = self.clock.callLater(delay, self._idle_timer_fired, connection)
+
+    def _idle_timer_fired(self, connection: HBONEConnection) -> None:
+        del self._idle_timers[connection]
+        if connection.streams or not connection.usable:
+            return  # busy (its last stream's end arms the timer again), or on its way out
+        idle_for = self.clock.seconds() - self._idle_since[connection]
+        if idle_for < self.idle_timeout:
+            self._arm_idle_timer(connection, self.idle_timeout - idle_for)
+            return
+        self.log.info("releasing idle connection {key}", key=str(self._keys.get(connection)))
+        self.retire(connection)
 
     def _cancel_idle(self, connection: HBONEConnection) -> None:
+        self._idle_since.pop(connection, None)
         timer = self._idle_timers.pop(connection, None)
         if timer is not None and timer.active():
             timer.cancel()
-
-    def _release_idle(self, connection: HBONEConnection) -> None:
-        self._idle_timers.pop(connection, None)
-        self.log.info("releasing idle connection {key}", key=str(self._keys.get(connection)))
-        self.retire(connection)
 
     # -- for the drain layer and the admin interface ---------------------------
 

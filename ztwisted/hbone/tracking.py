@@ -21,7 +21,8 @@ class ConnectionRecord:
         self.labels = labels
         self.fields = fields
         self.started = clock.seconds()
-        metrics.opened(labels)
+        self.series = metrics.traffic(labels)
+        self.series.opened()
 
     def refused(self, flags: str, error: str) -> None:
         """The connection never opened: count and log it with ``flags`` (DENY, CONNECT, ...)."""
@@ -33,9 +34,9 @@ class ConnectionRecord:
         """``app_end`` faces the side this record counts from, ``upstream_end`` the other."""
 
         def done(outcomes):
-            self.metrics.closed(self.labels)
+            self.series.closed()
             # Istio's convention: "received" is what the client sent, "sent" what it got back.
-            self.metrics.bytes(self.labels, sent=upstream_end.bytes_received, received=upstream_end.bytes_sent)
+            self.series.bytes(sent=upstream_end.bytes_received, received=upstream_end.bytes_sent)
             app_outcome, upstream_outcome = outcomes
             clean = (app_outcome, upstream_outcome) == ("closed", "closed")
             self._log(

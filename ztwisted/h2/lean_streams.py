@@ -231,8 +231,7 @@ def take_headers_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.eve
 
 def _receives_frames(h2conn: h2.connection.H2Connection, frame_length: int) -> bool:
     """The connection is open, the frame within h2's maximum size, and h2 has nothing buffered."""
-    state = h2conn.state_machine.state
-    if state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN:
+    if not lean_data.connection_open(h2conn):
         return False
     buffered = h2conn.incoming_buffer
     return frame_length - FRAME_HEADER_LENGTH <= h2conn.max_inbound_frame_size and not (
@@ -320,10 +319,9 @@ def _utf8_encoded(headers: list) -> list:
 def _sends_plain_headers(h2conn: h2.connection.H2Connection, stream_id: int, headers: list, end_stream: bool) -> bool:
     """A client's CONNECT on its next stream, or a server's final response to an open request."""
     config = h2conn.config
-    state = h2conn.state_machine.state
     if config.validate_outbound_headers or config.normalize_outbound_headers or not headers:
         return False
-    if state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN:
+    if not lean_data.connection_open(h2conn):
         return False
     stream = h2conn.streams.get(stream_id)
     if stream is None:
@@ -364,12 +362,9 @@ def _header_frames(block: bytes, stream_id: int, max_frame_size: int, end_stream
 def end_stream(h2conn: h2.connection.H2Connection, stream_id: int) -> None:
     """``h2conn.end_stream(stream_id)``: an empty DATA frame with END_STREAM, lean on an open
     connection for a stream ``h2`` holds open for sending."""
-    state = h2conn.state_machine.state
     stream = h2conn.streams.get(stream_id) if ENABLED else None
     stream_state = stream.state_machine.state if stream is not None else None
-    if (stream_state is not _OPEN and stream_state is not _HALF_CLOSED_REMOTE) or (
-        state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN
-    ):
+    if (stream_state is not _OPEN and stream_state is not _HALF_CLOSED_REMOTE) or not lean_data.connection_open(h2conn):
         h2conn.end_stream(stream_id)
         return
     _sent_end_stream(stream.state_machine)
@@ -394,8 +389,7 @@ _END_STREAM_FRAME_HEAD = bytes((0, 0, 0, DATA_FRAME_TYPE, END_STREAM_FLAG))
 def _resettable(h2conn: h2.connection.H2Connection, stream_id: int) -> h2.stream.H2Stream | None:
     """The stream, if the connection is open and h2 holds it open (OPEN or half-closed): h2 resets it
     without more ado; otherwise None (h2 decides: an unknown, idle or closed stream)."""
-    state = h2conn.state_machine.state
-    if state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN:
+    if not lean_data.connection_open(h2conn):
         return None
     stream = h2conn.streams.get(stream_id)
     stream_state = stream.state_machine.state if stream is not None else None

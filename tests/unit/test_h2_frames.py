@@ -788,3 +788,32 @@ def test_data_overrunning_the_stream_window_is_a_flow_control_error():
     assert kinds(link.from_ours()) == [("GOAWAY", stream_id, h2.errors.ErrorCodes.FLOW_CONTROL_ERROR)]
     assert_closed_after_goaway(link, "protocol-error")
     assert len(ours.far.data) == 3 * 16384 and ours.done
+
+
+def test_a_request_reset_in_the_read_of_a_later_request_is_refused_without_ending_the_connection():
+    # Stream 3 is refused at once (as a denied policy or a non-CONNECT request is), but the
+    # peer's HEADERS for stream 5 in the same read made h2 forget the reset stream 3: h2 then
+    # takes our answer on 3 for a new stream of ours, with too low an ID. Only stream 3 ends.
+    link = Link(client=False, handler=lambda s: s.refuse(503) if s.stream_id == 3 else accept_and_record(s))
+    link.peer_open_tunnel()  # stream 1: the connection is open
+    reset = link.peer_connect()
+    link.peer.reset_stream(reset, CANCEL)
+    later = link.peer_connect()
+    link.to_ours()
+    assert (reset, later) == (3, 5)
+    assert link.limits == [] and link.transport.calls == []
+    assert link.conn.usable and sorted(link.conn.streams) == [1, 5]
+    assert not [f for f in link.from_ours() if getattr(f, "stream_id", 0) == reset]
+
+
+def test_a_header_value_that_is_not_utf8_ends_the_connection_with_a_protocol_error():
+    # RFC 9113 allows any octet above 0x7f in a value; h2 decodes values as UTF-8 and raises
+    # UnicodeDecodeError, which must end the connection as any protocol error, not escape.
+    link = Link(client=False)
+    link.peer_open_tunnel()
+    stream_id = link.peer.get_next_available_stream_id()
+    link.peer.send_headers(stream_id, [(b":method", b"CONNECT"), (b":authority", AUTHORITY.encode()), (b"x", b"\xff")])
+    link.to_ours()
+    assert link.limits == ["protocol-error"]
+    assert kinds(link.from_ours()) == [("GOAWAY", stream_id, PROTOCOL_ERROR)]
+    assert_closed_after_goaway(link, "protocol-error")

@@ -234,6 +234,7 @@ REFUSED_REQUESTS = {
     "te other than trailers": [*CONNECT, ("te", "gzip")],
     "duplicate :method": [(":method", "CONNECT"), (":method", "CONNECT"), (":authority", "a")],
     "duplicate :authority": [(":method", "CONNECT"), (":authority", "a"), (":authority", "a")],
+    "duplicate :method, no :authority": [(":method", "CONNECT"), (":method", "CONNECT"), ("a", "b")],
     "pseudo-header after a field": [(":method", "CONNECT"), ("a", "b"), (":authority", "a")],
     "custom pseudo-header": [*CONNECT[:2], (":foo", "bar")],
     "response pseudo-header in a request": [*CONNECT[:2], (":status", "200")],
@@ -692,3 +693,59 @@ def test_resets_left_to_h2_are_handled_as_h2_handles_them(frame):
 def test_resets_sent_through_h2(action, monkeypatch):
     monkeypatch.setattr(Side, "reset_stream", Resetting.reset_stream, raising=False)
     sent_the_same(lambda client, server: action(client))
+
+
+@pytest.mark.parametrize("split", [None, 1, 9, -5], ids=["one read", "a byte", "a frame header", "near the end"])
+def test_a_headers_frame_inside_another_streams_header_block_is_h2s_error(split):
+    # HEADERS of stream 3 without END_HEADERS, then a whole HEADERS of stream 5: the second does not
+    # start a block of its own (RFC 9113 section 6.10), so it is not plain, and h2 refuses it.
+    data = request_block(CONNECT, 3, flags=()) + request_block(CONNECT, 5)
+    reads = [data] if split is None else [data[:split], data[split:]]
+    if split is not None and split < 0:
+        reads = [data[: len(data) + split], data[len(data) + split :]]
+    outcomes = []
+    for lean in (False, True):
+        client, server = connected(lean)
+        with pytest.raises(h2.exceptions.ProtocolError) as raised:
+            for read in reads:
+                server.feed(read)
+        outcomes.append((type(raised.value), server.h2.data_to_send(), server.h2.state_machine.state))
+    assert outcomes[1] == outcomes[0]
+
+
+def test_the_filter_does_not_cut_out_a_headers_frame_inside_another_block():
+    segments, _ = GoawayFilter(False, 1 << 20, 1 << 20).segments(
+        request_block(CONNECT, 3, flags=()) + request_block(CONNECT, 5)
+    )
+    assert [whole for _, whole in segments] == [False]
+
+
+def test_a_headers_frame_while_h2_holds_part_of_a_header_block_is_left_to_h2():
+    client, server = connected(lean=True)
+    server.h2.receive_data(request_block(CONNECT, 3, flags=()))  # h2 now holds an open header block
+    assert lean_streams.take_headers_frame(server.h2, request_block(CONNECT, 5)) is None
+
+
+def test_the_filter_cuts_out_the_frames_the_lean_paths_take():
+    client, server = connected(lean=True)
+    client.send_headers(3, CONNECT)
+    client.h2.send_data(3, b"x")
+    client.end_stream(3)
+    lean_streams.reset_stream(client.h2, 3, 8)
+    data = client.h2.data_to_send()
+    segments, _ = GoawayFilter(False, 1 << 20, 1 << 20).segments(data)
+    assert [(bytes(segment)[3], whole) for segment, whole in segments] == [(1, True), (0, True), (0, True), (3, True)]
+
+
+def test_a_whole_segment_of_another_kind_goes_to_h2():
+    # Only DATA, HEADERS and RST_STREAM are taken; a 13-byte WINDOW_UPDATE handed over as a whole
+    # frame is h2's, not read as a reset.
+    client, server = connected(lean=True)
+    client.send_headers(3, CONNECT)
+    server.feed(client.h2.data_to_send())
+    client.h2.increment_flow_control_window(100, stream_id=3)
+    update = client.h2.data_to_send()
+    assert len(update) == 13
+    (event,) = lean_streams.receive(server.h2, [(update, True)])
+    assert isinstance(event, h2.events.WindowUpdated)
+    assert server.h2.streams[3].state_machine.state is h2.stream.StreamState.OPEN

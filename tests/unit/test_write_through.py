@@ -14,6 +14,7 @@ import pytest_twisted
 from twisted.internet import defer, protocol, reactor, threads
 from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.internet.interfaces import IHalfCloseableProtocol
+from twisted.logger import globalLogPublisher
 from zope.interface import implementer
 
 from ztwisted.sockets import (
@@ -662,6 +663,25 @@ def test_a_connection_closed_before_its_half_close_still_writes_what_is_queued_f
         client.close()
 
 
+@pytest_twisted.inlineCallbacks
+def test_a_connection_closed_while_its_half_close_waits_for_queued_bytes_still_writes_them():
+    # loseWriteConnection with bytes queued only asks for the FIN after them: the sending side
+    # is not shut down yet, so loseConnection must not end the connection at once either.
+    transport, client = yield _connected_pair()
+    try:
+        recorder = _RecordingLoss()
+        transport.protocol = recorder
+        big = _write_more_than_the_socket_takes(transport, client)
+        transport.loseWriteConnection()
+        transport.loseConnection()
+        assert not recorder.lost.called, "the queued bytes come first"
+        received = yield threads.deferToThread(_read_to_eof, client)
+        assert received == big
+        yield recorder.lost
+    finally:
+        client.close()
+
+
 def test_the_proxys_listeners_keep_one_logger(lean_reactor):
     # Twisted's Port reads its class's ``_logger`` on every round of accepts, a descriptor
     # that builds a new Logger each time.
@@ -702,8 +722,15 @@ def test_a_connect_cancelled_before_the_end_of_the_turn_builds_no_transport(lean
         factory.buildProtocol = lambda addr: built.append(addr)
         connecting = connect_socket(lean_reactor, sock, listener.getsockname(), factory, timeout=5)
         connecting.addErrback(lambda failure: failure.trap(defer.CancelledError))
-        connecting.cancel()
-        lean_reactor.doIteration(0)
+        logged_failures = []
+        observer = lambda event: logged_failures.append(event) if "log_failure" in event else None  # noqa: E731
+        globalLogPublisher.addObserver(observer)
+        try:
+            connecting.cancel()
+            lean_reactor.doIteration(0)  # the call at the end of the turn was cancelled with it
+        finally:
+            globalLogPublisher.removeObserver(observer)
         assert built == [] and sock.fileno() == -1
+        assert logged_failures == [], "no AlreadyCalledError from a result after the cancel"
     finally:
         listener.close()

@@ -133,6 +133,11 @@ def _write_given_buffer(transport, data: bytes | bytearray) -> None:
         transport.write(bytes(data))
 
 
+#: what a peer's bytes can make receiving raise: each ends the connection with a GOAWAY
+#: (UnicodeDecodeError: h2 decodes received header values as UTF-8, which RFC 9113 does not require)
+_PEER_PROTOCOL_ERRORS = (h2.exceptions.ProtocolError, FrameLimitExceeded, UnicodeDecodeError)
+
+
 @implementer(IHandshakeListener, IPushProducer)
 class HBONEConnection(Protocol):
     """HTTP/2 over TLS for HBONE, client or server side.
@@ -247,7 +252,7 @@ class HBONEConnection(Protocol):
         try:
             segments, goaways = self._goaway_filter.segments(data, cut_out_frames=lean_data.ENABLED)
             events = lean_streams.receive(self.h2, segments)
-        except (h2.exceptions.ProtocolError, FrameLimitExceeded) as e:
+        except _PEER_PROTOCOL_ERRORS as e:
             self.shutdown.protocol_error(e)
             return
         for event in events:
@@ -395,11 +400,11 @@ class HBONEConnection(Protocol):
     # -- what streams use ---------------------------------------------------------
 
     def send_headers(self, stream: Stream, headers: list[tuple[str, str]], end_stream: bool) -> bool:
-        """Queue a HEADERS frame (the caller then calls :meth:`send_pending`); False when h2 has
-        closed the stream already, as when the peer reset it in the same read as its request."""
+        """Queue a HEADERS frame (then :meth:`send_pending`); False when h2 has closed the stream, or
+        forgot it (too low an ID), as when the peer reset it in the read of its request and of another."""
         try:
             lean_streams.send_headers(self.h2, stream.stream_id, headers, end_stream)
-        except h2.exceptions.StreamClosedError:
+        except (h2.exceptions.StreamClosedError, h2.exceptions.StreamIDTooLowError):
             return False
         return True
 

@@ -45,8 +45,9 @@ FRAME_HEADER = struct.Struct(">BHBBL")
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 Buffer = bytes | bytearray | memoryview
-#: bytes for ``h2`` and whether they are one whole DATA frame (see :meth:`GoawayFilter.segments`);
-#: a whole DATA frame is not copied out of what was received (a view of it, or the frame held)
+#: bytes for ``h2`` and whether they are one whole frame a lean path may take (see
+#: :meth:`GoawayFilter.segments`); such a frame is not copied out of what was received (a view
+#: of it, or the frame held)
 Segment = tuple[Buffer, bool]
 
 #: the frames the lean paths may take, as ``type << 8 | flags``: DATA, with END_STREAM or without
@@ -142,8 +143,8 @@ class GoawayFilter:
     """Splits the received byte stream at frame boundaries and removes GOAWAY frames.
 
     Only frame headers are parsed; every other byte is passed on to ``h2``
-    at once (a partial frame too: ``h2`` buffers it; only a DATA frame to be
-    cut out, see :meth:`segments`, waits here until whole), so the cost is
+    at once (a partial frame too: ``h2`` buffers it; only a frame to be cut out
+    for a lean path, see :meth:`segments`, waits here until whole), so the cost is
     one header parse per frame. Each frame header is checked against
     ``max_frame_size``, the header block it belongs to against
     ``max_header_block``, and runs of empty frames against
@@ -158,7 +159,7 @@ class GoawayFilter:
         self._max_header_block = max_header_block
         self._skip = 0  # bytes of the current non-GOAWAY frame body still to pass on
         self._pending = b""  # an incomplete frame header, or an incomplete GOAWAY frame
-        # A DATA frame held until whole (see segments), and how many bytes it still lacks. One
+        # A frame for a lean path held until whole (see segments), and how many bytes it still lacks. One
         # bytearray: a frame dribbled in tiny reads (a peer picks the TLS record size) costs
         # linear time and its own size, not an object per piece.
         self._held = bytearray()
@@ -233,7 +234,7 @@ class GoawayFilter:
         return segments, goaways
 
     def _continue_from_earlier_reads(self, data: Buffer, segments: list[Segment]) -> tuple[Buffer, int]:
-        """``data`` after what earlier reads left (a held DATA frame, the start of a frame), and
+        """``data`` after what earlier reads left (a held frame, the start of a frame), and
         where its first frame header is (after the client preface)."""
         if self._held_missing:
             data = self._complete_held_frame(data, segments)
@@ -245,7 +246,7 @@ class GoawayFilter:
         return data, preface
 
     def _complete_held_frame(self, data: Buffer, segments: list[Segment]) -> Buffer:
-        """Add ``data`` to the DATA frame held; once whole, it is the first segment. Returns what follows it."""
+        """Add ``data`` to the frame held; once whole, it is the first segment. Returns what follows it."""
         view = memoryview(data)
         taken = min(self._held_missing, len(view))
         self._held += view[:taken]
@@ -265,12 +266,13 @@ class GoawayFilter:
             self._count_empty_frame(frame_type, flags)
         elif self._empty_frames_in_a_row:
             self._empty_frames_in_a_row = 0  # a frame that carries something ends the run
-        if frame_type in (HEADERS_FRAME_TYPE, PUSH_PROMISE_FRAME_TYPE):
+        if frame_type in (HEADERS_FRAME_TYPE, PUSH_PROMISE_FRAME_TYPE) and not self._in_header_block:
             self._header_block = length
         elif frame_type == CONTINUATION_FRAME_TYPE and self._in_header_block:
             self._header_block += length
         else:
-            # Any other frame inside a header block is h2's protocol error to raise.
+            # Any other frame inside a header block (a HEADERS frame too: it does not start a new
+            # block) is h2's protocol error to raise; the block stays open, so nothing is cut out.
             return
         self._in_header_block = not flags & END_HEADERS_FLAG
         if self._header_block > self._max_header_block:

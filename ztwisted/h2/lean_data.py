@@ -86,6 +86,14 @@ _STREAM_SENDS_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamStat
 #: the states of a stream h2 counts as open, whose windows it reopens (``H2Stream.open``)
 _STREAM_OPEN = _STREAM_RECEIVES_DATA | _STREAM_SENDS_DATA
 
+
+def connection_open(h2conn: h2.connection.H2Connection) -> bool:
+    """Whether h2's connection is open (its state machine in CLIENT_OPEN or SERVER_OPEN). The
+    per-frame DATA paths below test the two states inline: this is every frame's path."""
+    state = h2conn.state_machine.state
+    return state is _CLIENT_OPEN or state is _SERVER_OPEN
+
+
 #: what this module reads or calls in h2 beyond its public API
 H2_INTERNALS = (
     "H2Connection.state_machine.state",

@@ -36,9 +36,10 @@ taken by :func:`~ztwisted.h2.lean_data.take_data_frame`.
 
 Sent HEADERS (:func:`send_headers`): the CONNECT request opening the next
 stream of a client, and the final response of a server (not informational)
-to a request; the headers are ztwisted's own (``str`` or ``bytes``, plain tuples
-or HPACK's header tuples, whose never-indexed kind is kept), and ``h2`` is configured to neither validate nor normalize sent headers (the
-HBONE configuration). Encoded with ``h2``'s encoder and framed as ``h2``
+to a request (its ``:status`` a ``str``); the headers are ztwisted's own (``str`` or
+``bytes``, plain tuples or HPACK's header tuples, whose never-indexed kind is kept), and
+``h2`` is configured to neither validate nor normalize sent headers (the HBONE
+configuration). Encoded with ``h2``'s encoder and framed as ``h2``
 frames them (CONTINUATION frames past the maximum frame size). Sent
 END_STREAM (:func:`end_stream`): an empty DATA frame on a stream open for
 sending. Otherwise both call ``h2``, which raises what it raises.
@@ -47,6 +48,11 @@ RST_STREAM, sent (:func:`reset_stream`) and received (:func:`take_rst_stream_fra
 open connection, for a stream ``h2`` holds open or half-closed, which it closes; a received
 frame must have its 4-byte body. A reset of a stream ``h2`` does not hold open (unknown, idle,
 already closed: ``h2`` answers some with its own RST_STREAM or error) goes to ``h2``.
+
+The one difference from ``h2`` alone is :mod:`~ztwisted.h2.lean_data`'s, and applies here too:
+when the peer's SETTINGS ACK for our larger maximum frame size and a HEADERS or RST_STREAM
+frame over 16 KiB arrive in one read, the frame is within the size the peer may send (RFC 9113
+section 6.5.3) and is accepted, where ``h2`` alone would refuse it until the next read.
 
 The gate is :mod:`~ztwisted.h2.lean_data`'s (checked ``h2`` releases) plus the
 internals listed in :data:`H2_INTERNALS`: without them, everything goes to ``h2``.
@@ -90,6 +96,7 @@ H2_INTERNALS = (
     "H2Connection._begin_new_stream, highest_inbound_stream_id, highest_outbound_stream_id",
     "H2Connection.encoder, decoder, config",
     "h2.connection._decode_headers, h2.errors._error_code_from_int",
+    "h2.utilities.CONNECTION_HEADERS, authority_from_headers, extract_method_header",
     "H2Stream.receive_headers, _authority, request_method, max_outbound_frame_size",
     "H2StreamStateMachine.client, headers_sent, headers_received, stream_closed_by",
 )
@@ -104,6 +111,9 @@ def _h2_has_the_internals() -> bool:
         and hasattr(probe, "highest_outbound_stream_id")
         and callable(getattr(h2.connection, "_decode_headers", None))
         and callable(getattr(h2.errors, "_error_code_from_int", None))
+        and isinstance(getattr(h2.utilities, "CONNECTION_HEADERS", None), frozenset)
+        and callable(getattr(h2.utilities, "authority_from_headers", None))
+        and callable(getattr(h2.utilities, "extract_method_header", None))
         and all(hasattr(stream, name) for name in ("receive_headers", "_authority", "request_method"))
         and hasattr(stream, "max_outbound_frame_size")
         and all(hasattr(machine, name) for name in ("client", "headers_sent", "headers_received", "stream_closed_by"))
@@ -131,7 +141,7 @@ def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool
                 taken = lean_data.take_data_frame(h2conn, segment)
             elif frame_type == HEADERS_FRAME_TYPE:
                 taken = take_headers_frame(h2conn, segment)
-            else:
+            elif frame_type == RST_STREAM_FRAME_TYPE:
                 taken = take_rst_stream_frame(h2conn, segment)
         events += h2conn.receive_data(bytes(segment)) if taken is None else taken
     return events
@@ -147,7 +157,12 @@ _PLAIN_NAME = re.compile(rb"[!-9;-@\[-~]+").fullmatch
 _PLAIN_VALUE = re.compile(rb"(?:[!-~](?:[\t -~]*[!-~])?)?").fullmatch
 #: names h2 rejects (connection-specific, ``te`` other than "trailers") or treats apart (``host``
 #: against ``:authority``, ``cookie`` joined, ``content-length`` counted): left to h2's checks
-_NAMES_LEFT_TO_H2 = h2.utilities.CONNECTION_HEADERS | {b"te", b"host", b"cookie", b"content-length"}
+_NAMES_LEFT_TO_H2 = getattr(h2.utilities, "CONNECTION_HEADERS", frozenset()) | {
+    b"te",
+    b"host",
+    b"cookie",
+    b"content-length",
+}
 _CONNECT_PSEUDO_HEADERS = frozenset({b":method", b":authority"})
 _RESPONSE_PSEUDO_HEADERS = frozenset({b":status"})
 _FINAL_STATUS = re.compile(rb"[2-9][0-9][0-9]").fullmatch
@@ -216,8 +231,7 @@ def take_headers_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.eve
 
 def _receives_frames(h2conn: h2.connection.H2Connection, frame_length: int) -> bool:
     """The connection is open, the frame within h2's maximum size, and h2 has nothing buffered."""
-    state = h2conn.state_machine.state
-    if state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN:
+    if not lean_data.connection_open(h2conn):
         return False
     buffered = h2conn.incoming_buffer
     return frame_length - FRAME_HEADER_LENGTH <= h2conn.max_inbound_frame_size and not (
@@ -305,10 +319,9 @@ def _utf8_encoded(headers: list) -> list:
 def _sends_plain_headers(h2conn: h2.connection.H2Connection, stream_id: int, headers: list, end_stream: bool) -> bool:
     """A client's CONNECT on its next stream, or a server's final response to an open request."""
     config = h2conn.config
-    state = h2conn.state_machine.state
     if config.validate_outbound_headers or config.normalize_outbound_headers or not headers:
         return False
-    if state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN:
+    if not lean_data.connection_open(h2conn):
         return False
     stream = h2conn.streams.get(stream_id)
     if stream is None:
@@ -327,6 +340,7 @@ def _sends_plain_headers(h2conn: h2.connection.H2Connection, stream_id: int, hea
         and not machine.headers_sent
         and (machine.state is _OPEN or machine.state is _HALF_CLOSED_REMOTE)
         and status[0] == ":status"
+        and isinstance(status[1], str)
         and not status[1].startswith("1")
     )
 
@@ -348,12 +362,9 @@ def _header_frames(block: bytes, stream_id: int, max_frame_size: int, end_stream
 def end_stream(h2conn: h2.connection.H2Connection, stream_id: int) -> None:
     """``h2conn.end_stream(stream_id)``: an empty DATA frame with END_STREAM, lean on an open
     connection for a stream ``h2`` holds open for sending."""
-    state = h2conn.state_machine.state
     stream = h2conn.streams.get(stream_id) if ENABLED else None
     stream_state = stream.state_machine.state if stream is not None else None
-    if (stream_state is not _OPEN and stream_state is not _HALF_CLOSED_REMOTE) or (
-        state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN
-    ):
+    if (stream_state is not _OPEN and stream_state is not _HALF_CLOSED_REMOTE) or not lean_data.connection_open(h2conn):
         h2conn.end_stream(stream_id)
         return
     _sent_end_stream(stream.state_machine)
@@ -378,8 +389,7 @@ _END_STREAM_FRAME_HEAD = bytes((0, 0, 0, DATA_FRAME_TYPE, END_STREAM_FLAG))
 def _resettable(h2conn: h2.connection.H2Connection, stream_id: int) -> h2.stream.H2Stream | None:
     """The stream, if the connection is open and h2 holds it open (OPEN or half-closed): h2 resets it
     without more ado; otherwise None (h2 decides: an unknown, idle or closed stream)."""
-    state = h2conn.state_machine.state
-    if state is not lean_data._CLIENT_OPEN and state is not lean_data._SERVER_OPEN:
+    if not lean_data.connection_open(h2conn):
         return None
     stream = h2conn.streams.get(stream_id)
     stream_state = stream.state_machine.state if stream is not None else None

@@ -200,44 +200,6 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-@attrs.define(eq=False)
-class HandshakeDeadlines:
-    """The handshake timeouts of a listener's SOCKS5 clients, on one timed call.
-
-    Every handshake gets the same time, so their deadlines come in the order
-    they started: one timed call, for the earliest, rather than one made and
-    cancelled per client (a ``DelayedCall``, its place on Twisted's heap and
-    the timed-call upkeep of the next reactor turn, for every connection).
-    A handshake that completes or ends is forgotten; the timed call then
-    finds nothing due, and is made again for the earliest one still waiting.
-    """
-
-    clock: IReactorTime
-    timeout: float
-    #: protocol -> its deadline, in the order the handshakes started (so, of their deadlines)
-    _waiting: dict[Any, float] = attrs.field(init=False, factory=dict)
-    _timer: IDelayedCall | None = attrs.field(init=False, default=None)
-
-    def start(self, protocol: Socks5Protocol) -> None:
-        self._waiting[protocol] = self.clock.seconds() + self.timeout
-        if self._timer is None:
-            self._timer = self.clock.callLater(self.timeout, self._expire)
-
-    def stop(self, protocol: Socks5Protocol) -> None:
-        self._waiting.pop(protocol, None)
-
-    def _expire(self) -> None:
-        self._timer = None
-        now = self.clock.seconds()
-        while self._waiting:
-            protocol, deadline = next(iter(self._waiting.items()))
-            if deadline > now:
-                self._timer = self.clock.callLater(deadline - now, self._expire)
-                return
-            del self._waiting[protocol]
-            protocol.handshake_timed_out()
-
-
 @implementer(IHalfCloseableProtocol)
 class Socks5Protocol(Protocol):
     """One SOCKS5 client connection: handshake, then relay to a sink."""
@@ -250,22 +212,17 @@ class Socks5Protocol(Protocol):
         clock: IReactorTime | None = None,
         on_error: Callable[[str], None] | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
-        deadlines: HandshakeDeadlines | None = None,
     ) -> None:
-        """``on_error(reason)`` is told a short reason slug for each refused client.
-
-        ``deadlines`` is shared by the clients of one listener (its factory's);
-        without it the client has its own, after ``handshake_timeout`` on ``clock``.
-        """
-        if deadlines is None:
-            if clock is None:
-                from twisted.internet import reactor as clock  # type: ignore[assignment]
-            deadlines = HandshakeDeadlines(clock, handshake_timeout)
+        """``on_error(reason)`` is told a short reason slug for each refused client."""
+        if clock is None:
+            from twisted.internet import reactor as clock  # type: ignore[assignment]
         self._connect_request = connect_request
+        self._clock = clock
         self._on_error = on_error
-        self._deadlines = deadlines
+        self._handshake_timeout = handshake_timeout
         self._state = _State.GREETING
         self._buffer = b""
+        self._timer: IDelayedCall | None = None
         self._pending: defer.Deferred[Any] | None = None
         self._sink: Any = None
         self._read_closed = False
@@ -286,7 +243,7 @@ class Socks5Protocol(Protocol):
             self._client = _format_address(host, port)
         else:
             self._client = str(peer)
-        self._deadlines.start(self)
+        self._timer = self._clock.callLater(self._handshake_timeout, self._timed_out)
 
     def dataReceived(self, data: bytes) -> None:
         if self._state is _State.RELAYING:
@@ -320,7 +277,7 @@ class Socks5Protocol(Protocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         state, self._state = self._state, _State.CLOSED
-        self._deadlines.stop(self)
+        self._cancel_timer()
         if state is _State.CONNECTING and self._pending is not None:
             pending, self._pending = self._pending, None
             pending.cancel()
@@ -352,7 +309,7 @@ class Socks5Protocol(Protocol):
                 return
             consumed, _command, address_type, host, port = parsed_request
             self._buffer = self._buffer[consumed:]
-            self._deadlines.stop(self)
+            self._cancel_timer()
             self._start_connect(Socks5Request(self._source, host, port, address_type))
 
     def _start_connect(self, request: Socks5Request) -> None:
@@ -420,7 +377,7 @@ class Socks5Protocol(Protocol):
             )
         self._on_error_slug(reason)
         self._state = _State.CLOSED
-        self._deadlines.stop(self)
+        self._cancel_timer()
         self._buffer = b""
         if reply is not None:
             if reply == METHOD_NONE_ACCEPTABLE:
@@ -429,13 +386,19 @@ class Socks5Protocol(Protocol):
                 self.transport.write(reply_bytes(reply))
         self.transport.loseConnection()
 
-    def handshake_timed_out(self) -> None:
-        """Told by :class:`HandshakeDeadlines` when the handshake took too long."""
+    def _timed_out(self) -> None:
+        self._timer = None
         self._refuse(
             "timeout",
-            f"handshake not completed within {self._deadlines.timeout:g} s (stuck in {self._state.value})",
+            f"handshake not completed within {self._handshake_timeout:g} s (stuck in {self._state.value})",
             None,
         )
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            timer, self._timer = self._timer, None
+            if timer.active():
+                timer.cancel()
 
     def _on_error_slug(self, reason: str) -> None:
         if self._on_error is not None:
@@ -461,17 +424,8 @@ class Socks5Factory(Factory):
         self.clock = clock
         self.on_error = on_error
         self.handshake_timeout = handshake_timeout
-        self._deadlines: HandshakeDeadlines | None = None
 
     def buildProtocol(self, addr: Any) -> Socks5Protocol:
-        if self._deadlines is None:  # made with the first client: the global reactor is the running one by then
-            if self.clock is None:
-                from twisted.internet import reactor as clock
-            else:
-                clock = self.clock
-            self._deadlines = HandshakeDeadlines(clock, self.handshake_timeout)
-        protocol = self.protocol(
-            self.connect_request, self.clock, self.on_error, self.handshake_timeout, deadlines=self._deadlines
-        )
+        protocol = self.protocol(self.connect_request, self.clock, self.on_error, self.handshake_timeout)
         protocol.factory = self
         return protocol

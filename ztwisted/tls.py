@@ -430,6 +430,13 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
             # A memory BIO takes any amount, so without them one SSL_write encrypts a whole write.
             clear_mode(ssl, _lib.SSL_MODE_ENABLE_PARTIAL_WRITE)
 
+    def connectionLost(self, reason) -> None:
+        super().connectionLost(reason)
+        # Twisted drops its pyOpenSSL connection here to break the reference cycle through it
+        # (the connection's app data is this protocol); the handles taken from it, its bound
+        # error check among them, would keep that cycle.
+        self._openssl = self._openssl_receive_bio = self._openssl_send_bio = self._openssl_error_check = None
+
     def write_buffer(self, data: bytes | bytearray) -> None:
         """:meth:`write` for a buffer the caller gives up (it must not change it afterwards).
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 
 import attr
 import pytest
@@ -548,6 +549,20 @@ def _counting_link(server_cert, client_cert) -> tuple[Link, ChunkCountingPeer]:
     counting.makeConnection(link.client_tls)
     link.client_tls.wrappedProtocol = counting
     return link, counting
+
+
+def test_a_closed_tls_connection_is_freed_at_once_not_by_the_cyclic_garbage_collector(
+    server_cert, client_cert, no_cyclic_gc
+):
+    # Twisted breaks the cycle between its TLS protocol and pyOpenSSL's connection when the
+    # connection is lost; the direct paths' handles must not make it again.
+    link, client = _counting_link(server_cert, client_cert)
+    pyopenssl_connection = weakref.ref(link.client_tls._tlsConnection)
+    link.client_tls.loseConnection()
+    link.pump.flush()
+    assert client.lost is not None
+    del link, client
+    assert pyopenssl_connection() is None
 
 
 class _LibThatRefuses:

@@ -286,7 +286,9 @@ def connect_socket(
 #: with bigger reads. Only a read in progress holds such a buffer: an idle connection holds none,
 #: and an end whose partner stopped taking data holds at most one read (the partner pauses it).
 #: Bigger reads need :func:`keep_read_buffers_in_the_heap` (the node calls it at start).
-READ_SIZE = 256 * 1024
+#: 512 KiB: bulk over one connection took ~4 % less proxy CPU per MB than with 256 KiB (nine
+#: runs), 1 MiB 13 % more (its TLS write is over SEND_LIMIT) (``benchmarks/README.md``, "Bulk, session 6").
+READ_SIZE = 512 * 1024
 
 # mallopt(3) parameters, from glibc's malloc.h
 _M_TRIM_THRESHOLD = -1

@@ -515,6 +515,20 @@ def test_a_write_bigger_than_twisteds_send_limit_goes_to_the_kernel_at_once():
         transport.abortConnection()
 
 
+def test_one_read_fits_one_data_frame_and_its_tls_write_one_send():
+    # Between two ztwisted nodes a read becomes one DATA frame (the peer's frame size is the
+    # 1 MiB ztwisted advertises) and one TLS write of 16 KiB records (TLS 1.3: 22 bytes more
+    # each), which the write-through transport offers the kernel in one send. With 1 MiB reads
+    # it would not (bulk measured 13 % more CPU per MB).
+    from ztwisted.h2.settings import H2Settings
+    from ztwisted.sockets import _WriteThrough
+
+    frame = READ_SIZE + 9
+    records = -(-frame // 16384)
+    assert READ_SIZE <= H2Settings().max_frame_size
+    assert frame + 22 * records <= _WriteThrough.SEND_LIMIT
+
+
 _ONE_READ_REPEATEDLY = """
 import resource, sys
 from ztwisted.sockets import READ_SIZE, keep_read_buffers_in_the_heap

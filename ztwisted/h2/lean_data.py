@@ -80,9 +80,13 @@ from ztwisted.h2.goaway import (
 #: Enum, whose hash is a Python call: compared by identity)
 _CLIENT_OPEN = h2.connection.ConnectionState.CLIENT_OPEN
 _SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
-_STREAM_OPEN_BOTH_WAYS = h2.stream.StreamState.OPEN
-_STREAM_RECEIVES_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
-_STREAM_SENDS_DATA = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE})
+#: h2's stream states, for both lean modules (compared by identity where a path runs per frame)
+STREAM_OPEN = h2.stream.StreamState.OPEN
+STREAM_HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL
+STREAM_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
+STREAM_CLOSED = h2.stream.StreamState.CLOSED
+_STREAM_RECEIVES_DATA = frozenset({STREAM_OPEN, STREAM_HALF_CLOSED_LOCAL})
+_STREAM_SENDS_DATA = frozenset({STREAM_OPEN, STREAM_HALF_CLOSED_REMOTE})
 #: the states of a stream h2 counts as open, whose windows it reopens (``H2Stream.open``)
 _STREAM_OPEN = _STREAM_RECEIVES_DATA | _STREAM_SENDS_DATA
 
@@ -198,10 +202,10 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
 
 def _end_received(machine: h2.stream.H2StreamStateMachine) -> h2.events.StreamEnded:
     """h2's RECV_END_STREAM on a stream that receives DATA (``stream_half_closed``, ``stream_ended``)."""
-    if machine.state is _STREAM_OPEN_BOTH_WAYS:
-        machine.state = h2.stream.StreamState.HALF_CLOSED_REMOTE
+    if machine.state is STREAM_OPEN:
+        machine.state = STREAM_HALF_CLOSED_REMOTE
     else:
-        machine.state = h2.stream.StreamState.CLOSED
+        machine.state = STREAM_CLOSED
         machine.stream_closed_by = h2.stream.StreamClosedBy.RECV_END_STREAM
     return h2.events.StreamEnded(stream_id=machine.stream_id)
 

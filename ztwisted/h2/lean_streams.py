@@ -81,11 +81,8 @@ from ztwisted.h2.goaway import (
     MAX_STREAM_ID,
     RST_STREAM_FRAME_TYPE,
 )
+from ztwisted.h2.lean_data import STREAM_CLOSED, STREAM_HALF_CLOSED_LOCAL, STREAM_HALF_CLOSED_REMOTE, STREAM_OPEN
 
-_OPEN = h2.stream.StreamState.OPEN
-_HALF_CLOSED_LOCAL = h2.stream.StreamState.HALF_CLOSED_LOCAL
-_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
-_CLOSED = h2.stream.StreamState.CLOSED
 _SENT_END_STREAM = h2.stream.StreamClosedBy.SEND_END_STREAM
 _SENT_RST_STREAM = h2.stream.StreamClosedBy.SEND_RST_STREAM
 _RECEIVED_RST_STREAM = h2.stream.StreamClosedBy.RECV_RST_STREAM
@@ -206,7 +203,7 @@ def take_headers_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.eve
         machine = stream.state_machine if stream is not None else None
         if machine is None or machine.client is not True or machine.headers_received:
             return None
-        if machine.state is not _OPEN and machine.state is not _HALF_CLOSED_LOCAL:
+        if machine.state is not STREAM_OPEN and machine.state is not STREAM_HALF_CLOSED_LOCAL:
             return None
     elif stream is not None or not stream_id % 2 or stream_id <= h2conn.highest_inbound_stream_id:
         return None
@@ -257,7 +254,7 @@ def _text(h2conn: h2.connection.H2Connection, headers: list) -> list:
 def _request_received(h2conn, stream: h2.stream.H2Stream, headers: list) -> h2.events.RequestReceived:
     """h2's RECV_HEADERS on a new stream (IDLE to OPEN, ``request_received``), for a plain request."""
     machine = stream.state_machine
-    machine.state = _OPEN
+    machine.state = STREAM_OPEN
     machine.client = False
     machine.headers_received = True
     stream._expected_content_length = None  # no content-length: plain_request
@@ -290,7 +287,7 @@ def send_headers(h2conn: h2.connection.H2Connection, stream_id: int, headers: li
     if stream is None:
         stream = h2conn._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
         machine = stream.state_machine
-        machine.state = _OPEN  # IDLE, SEND_HEADERS: request_sent
+        machine.state = STREAM_OPEN  # IDLE, SEND_HEADERS: request_sent
         machine.client = True
         if stream._authority is None:
             stream._authority = h2.utilities.authority_from_headers(bytes_headers)
@@ -338,7 +335,7 @@ def _sends_plain_headers(h2conn: h2.connection.H2Connection, stream_id: int, hea
     return (
         machine.client is False
         and not machine.headers_sent
-        and (machine.state is _OPEN or machine.state is _HALF_CLOSED_REMOTE)
+        and (machine.state is STREAM_OPEN or machine.state is STREAM_HALF_CLOSED_REMOTE)
         and status[0] == ":status"
         and isinstance(status[1], str)
         and not status[1].startswith("1")
@@ -364,7 +361,9 @@ def end_stream(h2conn: h2.connection.H2Connection, stream_id: int) -> None:
     connection for a stream ``h2`` holds open for sending."""
     stream = h2conn.streams.get(stream_id) if ENABLED else None
     stream_state = stream.state_machine.state if stream is not None else None
-    if (stream_state is not _OPEN and stream_state is not _HALF_CLOSED_REMOTE) or not lean_data.connection_open(h2conn):
+    if (
+        stream_state is not STREAM_OPEN and stream_state is not STREAM_HALF_CLOSED_REMOTE
+    ) or not lean_data.connection_open(h2conn):
         h2conn.end_stream(stream_id)
         return
     _sent_end_stream(stream.state_machine)
@@ -373,10 +372,10 @@ def end_stream(h2conn: h2.connection.H2Connection, stream_id: int) -> None:
 
 def _sent_end_stream(machine: h2.stream.H2StreamStateMachine) -> None:
     """h2's SEND_END_STREAM on an open stream: half-closed, or closed by us if the peer had ended."""
-    if machine.state is _OPEN:
-        machine.state = _HALF_CLOSED_LOCAL
+    if machine.state is STREAM_OPEN:
+        machine.state = STREAM_HALF_CLOSED_LOCAL
     else:
-        machine.state = _CLOSED
+        machine.state = STREAM_CLOSED
         machine.stream_closed_by = _SENT_END_STREAM
 
 
@@ -393,7 +392,11 @@ def _resettable(h2conn: h2.connection.H2Connection, stream_id: int) -> h2.stream
         return None
     stream = h2conn.streams.get(stream_id)
     stream_state = stream.state_machine.state if stream is not None else None
-    if stream_state is _OPEN or stream_state is _HALF_CLOSED_LOCAL or stream_state is _HALF_CLOSED_REMOTE:
+    if (
+        stream_state is STREAM_OPEN
+        or stream_state is STREAM_HALF_CLOSED_LOCAL
+        or stream_state is STREAM_HALF_CLOSED_REMOTE
+    ):
         return stream
     return None
 
@@ -406,7 +409,7 @@ def reset_stream(h2conn: h2.connection.H2Connection, stream_id: int, error_code:
         h2conn.reset_stream(stream_id, error_code)
         return
     machine = stream.state_machine
-    machine.state = _CLOSED
+    machine.state = STREAM_CLOSED
     machine.stream_closed_by = _SENT_RST_STREAM
     h2conn._data_to_send += _RST_STREAM_FRAME_HEAD + stream_id.to_bytes(4, "big") + int(error_code).to_bytes(4, "big")
 
@@ -421,7 +424,7 @@ def take_rst_stream_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.
     if stream is None:
         return None
     machine = stream.state_machine
-    machine.state = _CLOSED
+    machine.state = STREAM_CLOSED
     machine.stream_closed_by = _RECEIVED_RST_STREAM
     error_code = h2.errors._error_code_from_int(int.from_bytes(frame[FRAME_HEADER_LENGTH:], "big"))
     return [h2.events.StreamReset(stream_id=stream_id, error_code=error_code)]

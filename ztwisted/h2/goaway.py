@@ -42,6 +42,13 @@ MAX_STREAM_ID = 2**31 - 1
 #: a frame header: its 24-bit length (a high byte and the low 16 bits), type, flags and stream id
 #: (with the reserved bit)
 FRAME_HEADER = struct.Struct(">BHBBL")
+
+
+def pack_frame_header(length: int, frame_type: int, flags: int, stream_id: int) -> bytes:
+    """The 9 bytes that start a frame (:data:`FRAME_HEADER`), as the lean paths send them."""
+    return FRAME_HEADER.pack(length >> 16, length & 0xFFFF, frame_type, flags, stream_id)
+
+
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 Buffer = bytes | bytearray | memoryview

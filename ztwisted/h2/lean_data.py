@@ -233,6 +233,7 @@ def send_data_frame(h2conn: h2.connection.H2Connection, stream_id: int, data: by
         return False
     h2conn.outbound_flow_control_window -= size
     stream.outbound_flow_control_window -= size
+    # pack_frame_header's bytes, packed inline: this is every message's path
     h2conn._data_to_send += FRAME_HEADER.pack(size >> 16, size & 0xFFFF, DATA_FRAME_TYPE, 0, stream_id)  # no flags
     h2conn._data_to_send += data
     return True

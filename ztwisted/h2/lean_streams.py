@@ -80,6 +80,7 @@ from ztwisted.h2.goaway import (
     HEADERS_FRAME_TYPE,
     MAX_STREAM_ID,
     RST_STREAM_FRAME_TYPE,
+    pack_frame_header,
 )
 from ztwisted.h2.lean_data import STREAM_CLOSED, STREAM_HALF_CLOSED_LOCAL, STREAM_HALF_CLOSED_REMOTE, STREAM_OPEN
 
@@ -345,14 +346,13 @@ def _sends_plain_headers(h2conn: h2.connection.H2Connection, stream_id: int, hea
 def _header_frames(block: bytes, stream_id: int, max_frame_size: int, end_stream: bool) -> bytes:
     """HEADERS then CONTINUATION frames carrying ``block``, cut as h2 cuts it."""
     pieces = [block[i : i + max_frame_size] for i in range(0, len(block), max_frame_size)]
-    stream = stream_id.to_bytes(4, "big")
     frames = []
     for index, piece in enumerate(pieces):
         frame_type = HEADERS_FRAME_TYPE if index == 0 else CONTINUATION_FRAME_TYPE
         flags = (END_STREAM_FLAG if end_stream and index == 0 else 0) | (
             END_HEADERS_FLAG if index == len(pieces) - 1 else 0
         )
-        frames.append(len(piece).to_bytes(3, "big") + bytes((frame_type, flags)) + stream + piece)
+        frames.append(pack_frame_header(len(piece), frame_type, flags, stream_id) + piece)
     return b"".join(frames)
 
 
@@ -367,7 +367,7 @@ def end_stream(h2conn: h2.connection.H2Connection, stream_id: int) -> None:
         h2conn.end_stream(stream_id)
         return
     _sent_end_stream(stream.state_machine)
-    h2conn._data_to_send += _END_STREAM_FRAME_HEAD + stream_id.to_bytes(4, "big")
+    h2conn._data_to_send += pack_frame_header(0, DATA_FRAME_TYPE, END_STREAM_FLAG, stream_id)
 
 
 def _sent_end_stream(machine: h2.stream.H2StreamStateMachine) -> None:
@@ -377,9 +377,6 @@ def _sent_end_stream(machine: h2.stream.H2StreamStateMachine) -> None:
     else:
         machine.state = STREAM_CLOSED
         machine.stream_closed_by = _SENT_END_STREAM
-
-
-_END_STREAM_FRAME_HEAD = bytes((0, 0, 0, DATA_FRAME_TYPE, END_STREAM_FLAG))
 
 
 # -- RST_STREAM, sent and received --------------------------------------------------------------
@@ -411,7 +408,9 @@ def reset_stream(h2conn: h2.connection.H2Connection, stream_id: int, error_code:
     machine = stream.state_machine
     machine.state = STREAM_CLOSED
     machine.stream_closed_by = _SENT_RST_STREAM
-    h2conn._data_to_send += _RST_STREAM_FRAME_HEAD + stream_id.to_bytes(4, "big") + int(error_code).to_bytes(4, "big")
+    h2conn._data_to_send += pack_frame_header(4, RST_STREAM_FRAME_TYPE, 0, stream_id) + int(error_code).to_bytes(
+        4, "big"
+    )
 
 
 def take_rst_stream_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.events.Event] | None:
@@ -428,6 +427,3 @@ def take_rst_stream_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.
     machine.stream_closed_by = _RECEIVED_RST_STREAM
     error_code = h2.errors._error_code_from_int(int.from_bytes(frame[FRAME_HEADER_LENGTH:], "big"))
     return [h2.events.StreamReset(stream_id=stream_id, error_code=error_code)]
-
-
-_RST_STREAM_FRAME_HEAD = bytes((0, 0, 4, RST_STREAM_FRAME_TYPE, 0))

@@ -39,6 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import interpreter
 import load
 from paths import Addresses, Apps, Ztwisted
 from run import PINGPONG_WARMUP, _fmt, cpu_seconds, pinned_to_one_cpu, warm_up
@@ -202,6 +203,7 @@ def main() -> int:
         for item in reversed(started):
             item.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+    print(f"Before: {interpreter.describe(args.before)}\nAfter: {interpreter.describe(args.after)}\n")
     print(f"Median of {args.slices} interleaved slices of {slice_text} per pair:\n")
     print("| figure | before | after | paired change |")
     print("|---|---|---|---|")

@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import interpreter
 import load
 from paths import Addresses, Apps, Direct, Envoy, NamespacedPair, Stunnel, Ztwisted, default_worker_threads
 
@@ -308,6 +309,7 @@ def machine() -> dict:
         "cpu": cpu,
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "interpreter": interpreter.describe(sys.executable),
         "twisted": twisted.__version__,
         "pyopenssl": OpenSSL.__version__,
         "openssl": ssl.OPENSSL_VERSION,
@@ -717,7 +719,7 @@ def main() -> int:
     info = machine()
     report = [
         f"Measured {info['date']} on {info['nproc']} cores ({info['cpu']}), Linux {info['kernel']}, "
-        f"Python {info['python']}, Twisted {info['twisted']}, pyOpenSSL {info['pyopenssl']} ({info['openssl']}), "
+        f"{info['interpreter']}, Twisted {info['twisted']}, pyOpenSSL {info['pyopenssl']} ({info['openssl']}), "
         f"{info['stunnel']}; ztwisted from {info['ztwisted']}. Client, proxies and apps share those cores.",
         "",
         f"Settings: {'--quick' if args.quick else 'full'}; median of {settings['runs']} runs; bulk {settings['bulk_mb']} MB; "

@@ -133,7 +133,7 @@ def main() -> int:
     others = {n: _median(max(phase["others"] for phase in r["cpu_cores"].values()) for r in runs[n]) for n in runs}
     report = [
         f"Measured {info['date']} on {info['nproc']} cores ({info['cpu']}), Linux {info['kernel']}, "
-        f"Python {info['python']}, Twisted {info['twisted']}, pyOpenSSL {info['pyopenssl']} ({info['openssl']}); "
+        f"{info['interpreter']}, Twisted {info['twisted']}, pyOpenSSL {info['pyopenssl']} ({info['openssl']}); "
         f"ztunnel {install.ztunnel}; ztwisted from {info['ztwisted']}. Client, proxies and apps share those cores.",
         "",
         f"Settings: {'--quick' if args.quick else 'full'}; median of {settings['runs']} interleaved runs; "

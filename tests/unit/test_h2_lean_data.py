@@ -21,7 +21,14 @@ import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, GoAwayFrame, HeadersFrame, RstStreamFrame, SettingsFrame
 
 from ztwisted.h2 import lean_data, lean_streams
-from ztwisted.h2.goaway import EmptyFramesFlood, FrameTooLarge, GoawayFilter, encode_goaway
+from ztwisted.h2.goaway import (
+    CLIENT_PREFACE,
+    EmptyFramesFlood,
+    FrameTooLarge,
+    GoawayFilter,
+    ReceivedGoaway,
+    encode_goaway,
+)
 from ztwisted.h2.lean_data import take_data_frame
 
 from .h2_support import parse_frames
@@ -68,8 +75,8 @@ TAKEN: dict[int, int] = {}
 def count_what_the_lean_path_takes(monkeypatch):
     take = lean_data.take_data_frame
 
-    def counting(h2conn, frame):
-        events = take(h2conn, frame)
+    def counting(h2conn, frame, stream_id):
+        events = take(h2conn, frame, stream_id)
         if events is not None:
             TAKEN[id(h2conn)] = TAKEN.get(id(h2conn), 0) + 1
         return events
@@ -190,21 +197,21 @@ def test_a_tunnel_without_content_length_counts_what_came_as_h2_does():
 def test_frames_the_lean_path_leaves_to_h2():
     server = Server(lean=True)
     oversized = DataFrame(1, data=b"x" * 16385).serialize()  # over h2's maximum frame size
-    assert take_data_frame(server.h2, oversized) is None
-    assert take_data_frame(server.h2, data(b"x", stream_id=3)) is None  # a stream h2 does not have
+    assert take_data_frame(server.h2, oversized, 1) is None
+    assert take_data_frame(server.h2, data(b"x", stream_id=3), 3) is None  # a stream h2 does not have
     on_stream_0 = bytes([0, 0, 1, 0, 0, 0, 0, 0, 0]) + b"x"  # hyperframe refuses to encode it
-    assert take_data_frame(server.h2, on_stream_0) is None
+    assert take_data_frame(server.h2, on_stream_0, 0) is None
     # A partial frame buffered in h2: what follows must reach h2 after it.
     server.h2.receive_data(data(b"y" * 10)[:5])
-    assert take_data_frame(server.h2, data(b"x")) is None
+    assert take_data_frame(server.h2, data(b"x"), 1) is None
     server.h2.receive_data(data(b"y" * 10)[5:])
-    assert take_data_frame(server.h2, data(b"x")) is not None
+    assert take_data_frame(server.h2, data(b"x"), 1) is not None
     # A stream the peer ended, or that was reset: h2 decides what that is.
     server.feed(data(b"", flags=["END_STREAM"]))
-    assert take_data_frame(server.h2, data(b"x")) is None
+    assert take_data_frame(server.h2, data(b"x"), 1) is None
     server = Server(lean=True)
     server.feed(RstStreamFrame(1, error_code=h2.errors.ErrorCodes.CANCEL).serialize())
-    assert take_data_frame(server.h2, data(b"x")) is None
+    assert take_data_frame(server.h2, data(b"x"), 1) is None
 
 
 def test_filter_cuts_out_only_whole_unpadded_data_frames():
@@ -217,11 +224,11 @@ def test_filter_cuts_out_only_whole_unpadded_data_frames():
     chunk = settings + plain + padded + encode_goaway(1) + last + plain + split[:20]
     filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     segments, goaways = filt.segments(chunk)
-    assert segments == [(settings, False), (plain, True), (padded, False), (last, True), (plain, True)]
+    assert segments == [(settings, 0), (plain, 1), (padded, 0), (last, 1), (plain, 1)]
     assert [g.last_stream_id for g in goaways] == [1]
     # The DATA frame in pieces is held back until whole (as h2 would buffer it), then cut out.
     segments, _ = filt.segments(split[20:] + open_block + plain)
-    assert segments == [(split, True), (open_block + plain, False)]  # inside a header block: h2's error to raise
+    assert segments == [(split, 1), (open_block + plain, 0)]  # inside a header block: h2's error to raise
     # feed() is the same bytes, joined, for whoever wants no lean path.
     filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     assert filt.feed(chunk) == (settings + plain + padded + last + plain + split[:20], goaways)
@@ -291,7 +298,7 @@ def test_a_data_frame_in_many_pieces_is_held_as_pieces_until_whole():
     for i in range(len(frame) - 1):
         assert filt.segments(frame[i : i + 1]) == ([], [])
     segments, goaways = filt.segments(frame[-1:] + after)
-    assert segments == [(frame, True), (SettingsFrame(0).serialize(), False)]
+    assert segments == [(frame, 1), (SettingsFrame(0).serialize(), 0)]
     assert [g.last_stream_id for g in goaways] == [3]
 
 
@@ -309,7 +316,7 @@ def test_data_before_the_response_is_left_to_h2_which_refuses_it():
         client.data_to_send()
         filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
         segments, _ = filt.segments(data(b"too early"), cut_out_frames=lean)
-        assert take_data_frame(client, segments[0][0]) is None
+        assert take_data_frame(client, segments[0][0], 1) is None
         with pytest.raises(h2.exceptions.ProtocolError):
             lean_streams.receive(client, segments)
         outcomes.append(client.data_to_send())
@@ -336,7 +343,7 @@ def test_a_data_frame_dribbled_byte_by_byte_is_held_in_about_its_own_size():
     finally:
         tracemalloc.stop()
     assert held < 2 * len(frame)
-    assert filt.segments(frame[-1:]) == ([(frame, True)], [])
+    assert filt.segments(frame[-1:]) == ([(frame, 1)], [])
 
 
 def test_data_on_stream_0_goes_to_h2_which_refuses_it_at_its_header():
@@ -346,7 +353,7 @@ def test_data_on_stream_0_goes_to_h2_which_refuses_it_at_its_header():
         (1000).to_bytes(3, "big") + b"\x00\x00" + (0).to_bytes(4, "big") + b"z" * 1000
     )  # hyperframe refuses it
     segments, _ = filt.segments(on_stream_0[:100])
-    assert segments == [(on_stream_0[:100], False)]
+    assert segments == [(on_stream_0[:100], 0)]
     for lean in (False, True):
         server = Server(lean=lean)
         with pytest.raises(h2.exceptions.ProtocolError):
@@ -458,3 +465,45 @@ def test_acknowledgements_h2_must_check_are_left_to_it():
     with pytest.raises(ValueError):
         server.h2.acknowledge_received_data(-1, 1)
     assert lean_data.acknowledge_received_data(server.h2, 100, 1)
+
+
+def test_a_read_that_is_one_whole_lean_frame_is_its_own_segment_uncopied():
+    """The usual read on an established stream: the read itself is the segment, with its stream id
+    (without the reserved bit); a read with anything more, or a frame that is not cut out, is split."""
+    filt = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
+    frame = data(b"m" * 64, stream_id=7)
+    segments, goaways = filt.segments(frame)
+    assert goaways == [] and len(segments) == 1 and segments[0][0] is frame and segments[0][1] == 7
+    reserved = bytearray(data(b"r", stream_id=7))
+    reserved[5] |= 0x80
+    assert filt.segments(bytes(reserved)) == ([(bytes(reserved), 7)], [])
+    last = data(b"l", stream_id=7, flags=["END_STREAM"])
+    assert filt.segments(last)[0][0][0] is last
+    # Not one whole lean frame: the usual splitting, views of the read.
+    assert filt.segments(frame + frame) == ([(frame, 7), (frame, 7)], [])
+    assert filt.segments(frame + frame[:5]) == ([(frame, 7)], [])  # the rest of the header waits
+    assert filt.segments(frame[5:]) == ([(frame, 7)], [])
+    assert filt.segments(frame[:20]) == ([], [])  # the rest of the frame: held, then whole
+    assert filt.segments(frame[20:]) == ([(frame, 7)], [])
+    assert filt.segments(frame[:20]) == ([], [])  # the rest, then one whole frame: two segments
+    assert filt.segments(frame[20:] + frame) == ([(frame, 7), (frame, 7)], [])
+    padded = data(b"p", stream_id=7, pad_length=2)
+    on_stream_0 = bytes([0, 0, 1, 0, 0, 0, 0, 0, 0]) + b"x"
+    assert filt.segments(padded) == ([(padded, 0)], [])  # a run for h2
+    assert filt.segments(on_stream_0) == ([(on_stream_0, 0)], [])
+    assert filt.segments(encode_goaway(5)) == ([], [ReceivedGoaway(5, 0)])
+    assert filt.segments(frame, cut_out_frames=False) == ([(frame, 0)], [])
+    # After the client preface, and inside a header block (h2's error to raise): not cut out.
+    filt = GoawayFilter(expect_client_preface=True, max_frame_size=16384, max_header_block=65536)
+    assert filt.segments(CLIENT_PREFACE + frame) == ([(CLIENT_PREFACE, 0), (frame, 7)], [])
+    open_block = HeadersFrame(5, data=b"\x82").serialize()
+    assert filt.segments(open_block) == ([(open_block, 0)], [])
+    assert filt.segments(frame) == ([(frame, 0)], [])
+
+
+def test_a_whole_read_and_a_held_frame_give_h2s_events():
+    """take_data_frame copies the payload out of the read itself, a view of it, or the frame held."""
+    chunks = [data(b"a" * 64), data(b"b" * 64) + data(b"c" * 64), data(b"d" * 64)[:30], data(b"d" * 64)[30:]]
+    lean, (plain_events, plain_answers), (lean_events, lean_answers) = both(chunks)
+    assert describe(lean_events) == describe(plain_events) and lean_answers == plain_answers
+    assert lean.taken == 4 and all(type(e.data) is bytes for e in lean_events)

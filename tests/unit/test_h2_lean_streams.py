@@ -184,9 +184,9 @@ def test_the_lean_paths_take_the_plain_frames():
         server.send_headers(stream_id, [(":status", "200")])
         assert lean_streams.take_headers_frame(client.h2, server.h2.data_to_send()) is not None
         client.end_stream(stream_id)
-        assert lean_data.take_data_frame(server.h2, client.h2.data_to_send()) is not None
+        assert lean_data.take_data_frame(server.h2, client.h2.data_to_send(), stream_id) is not None
         server.end_stream(stream_id)
-        assert lean_data.take_data_frame(client.h2, server.h2.data_to_send()) is not None
+        assert lean_data.take_data_frame(client.h2, server.h2.data_to_send(), stream_id) is not None
     assert server.h2.streams[5].state_machine.state is h2.stream.StreamState.CLOSED
 
 
@@ -544,7 +544,7 @@ def test_a_padded_data_frame_is_left_to_h2():
     client, server = connected(lean=True)
     server.feed(request_block(CONNECT))
     padded = DataFrame(3, data=b"x", flags=["END_STREAM", "PADDED"], pad_length=3)
-    assert lean_data.take_data_frame(server.h2, padded.serialize()) is None
+    assert lean_data.take_data_frame(server.h2, padded.serialize(), 3) is None
     assert describe(server.feed(padded.serialize()))[0][3:5] == (b"x", "StreamEnded")
 
 
@@ -717,7 +717,7 @@ def test_the_filter_does_not_cut_out_a_headers_frame_inside_another_block():
     segments, _ = GoawayFilter(False, 1 << 20, 1 << 20).segments(
         request_block(CONNECT, 3, flags=()) + request_block(CONNECT, 5)
     )
-    assert [whole for _, whole in segments] == [False]
+    assert [stream_id for _, stream_id in segments] == [0]
 
 
 def test_a_headers_frame_while_h2_holds_part_of_a_header_block_is_left_to_h2():
@@ -734,7 +734,7 @@ def test_the_filter_cuts_out_the_frames_the_lean_paths_take():
     lean_streams.reset_stream(client.h2, 3, 8)
     data = client.h2.data_to_send()
     segments, _ = GoawayFilter(False, 1 << 20, 1 << 20).segments(data)
-    assert [(bytes(segment)[3], whole) for segment, whole in segments] == [(1, True), (0, True), (0, True), (3, True)]
+    assert [(bytes(segment)[3], stream_id) for segment, stream_id in segments] == [(1, 3), (0, 3), (0, 3), (3, 3)]
 
 
 def test_a_whole_segment_of_another_kind_goes_to_h2():

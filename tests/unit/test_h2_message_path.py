@@ -92,8 +92,8 @@ def test_a_data_frame_on_stream_0_is_passed_on_at_once_even_with_the_reserved_bi
     goaway_filter = GoawayFilter(expect_client_preface=False, max_frame_size=16384, max_header_block=65536)
     partial = _data_frame_header(10, 2**31) + b"12345"  # half of the payload
     segments, goaways = goaway_filter.segments(partial)
-    assert segments == [(partial, False)] and goaways == []
+    assert segments == [(partial, 0)] and goaways == []
     held = _data_frame_header(10, 2**31 + 1) + b"12345"  # stream 1, reserved bit set: held
-    assert goaway_filter.segments(b"67890" + held) == ([(b"67890", False)], [])
+    assert goaway_filter.segments(b"67890" + held) == ([(b"67890", 0)], [])
     segments, _ = goaway_filter.segments(b"67890")
-    assert [(bytes(segment), whole) for segment, whole in segments] == [(held + b"67890", True)]
+    assert [(bytes(segment), stream_id) for segment, stream_id in segments] == [(held + b"67890", 1)]

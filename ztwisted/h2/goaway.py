@@ -52,10 +52,10 @@ def pack_frame_header(length: int, frame_type: int, flags: int, stream_id: int) 
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 Buffer = bytes | bytearray | memoryview
-#: bytes for ``h2`` and whether they are one whole frame a lean path may take (see
-#: :meth:`GoawayFilter.segments`); such a frame is not copied out of what was received (a view
-#: of it, or the frame held)
-Segment = tuple[Buffer, bool]
+#: bytes for ``h2``, and the stream id of the one whole frame they are if a lean path may take it, else 0
+#: (see :meth:`GoawayFilter.segments`); such a frame is not copied out of what was received (the read
+#: itself, a view of it, or of the frame held)
+Segment = tuple[Buffer, int]
 
 #: the frames the lean paths may take, as ``type << 8 | flags``: DATA, with END_STREAM or without
 #: (:mod:`~ztwisted.h2.lean_data`), HEADERS with END_HEADERS alone and RST_STREAM
@@ -171,6 +171,7 @@ class GoawayFilter:
         # linear time and its own size, not an object per piece.
         self._held = bytearray()
         self._held_missing = 0
+        self._held_stream_id = 0
         self._empty_frames_in_a_row = 0
         self._header_block = 0  # length of the header block so far
         self._in_header_block = False  # END_HEADERS not seen yet
@@ -183,20 +184,18 @@ class GoawayFilter:
     def segments(self, data: bytes, cut_out_frames: bool = True) -> tuple[list[Segment], list[ReceivedGoaway]]:
         """The bytes of ``data`` for ``h2``, in order and in segments, and the GOAWAY frames found.
 
-        Each segment is ``(bytes, whole_frame)``: with ``cut_out_frames``, each frame of
-        :data:`LEAN_FRAME_KINDS` (outside a header block, where it is h2's error to raise, and not on
-        stream 0, which h2 refuses at its header) is a segment of its own, flagged True (for
-        :func:`~ztwisted.h2.lean_streams.receive`), held back until whole (as ``h2`` would buffer it), and
-        not copied: a ``memoryview`` of ``data``, or the ``bytearray`` it was held in, valid until the
-        next call. Everything else comes in runs flagged False.
+        Each segment is ``(bytes, lean_stream_id)``: with ``cut_out_frames``, each frame of :data:`LEAN_FRAME_KINDS`
+        (outside a header block, where it is h2's error to raise, and not on stream 0, which h2 refuses at its
+        header) is a segment of its own with its stream id (for :func:`~ztwisted.h2.lean_streams.receive`), held
+        back until whole (as ``h2`` would buffer it) and not copied: ``data`` itself if it is just that frame (the
+        usual read), else a ``memoryview`` of ``data`` or of the frame held, valid until the next call. The rest
+        comes in runs with stream id 0.
         """
         segments, goaways = [], []  # list[Segment], list[ReceivedGoaway]
-        position = 0
+        position = start_of_run = 0
         if self._held_missing or self._pending or self._preface_left:
             data, position = self._continue_from_earlier_reads(data, segments)
-        view = memoryview(data)
         end = len(data)
-        start_of_run = 0
         while position < end:
             if self._skip:
                 step = min(self._skip, end - position)
@@ -211,33 +210,36 @@ class GoawayFilter:
                 # (not for the usual frame, DATA with bytes within the size after one with bytes: no limit to hit)
                 self._check_limits(length, frame_type, flags)
             frame_end = position + FRAME_HEADER_LENGTH + length
-            # GOAWAY frames, and if asked the frames a lean path may take, are cut out of the run whole
-            # (an incomplete one waits in _pending or _held): no more than one frame of checked size.
-            lean = (frame_type << 8 | flags) in LEAN_FRAME_KINDS
             stream_id &= MAX_STREAM_ID  # without the reserved bit
+            # Cut out whole (an incomplete one waits in _pending or _held): GOAWAY frames and, if asked, lean ones
+            lean = (frame_type << 8 | flags) in LEAN_FRAME_KINDS
             cut_out = cut_out_frames and lean and not self._in_header_block and stream_id != 0
-            if frame_type != GOAWAY_FRAME_TYPE and not cut_out:
+            if cut_out:
+                if frame_end == end and position == 0:  # the usual read: this one frame, whole, as it came
+                    return [*segments, (data, stream_id)], goaways
+            elif frame_type != GOAWAY_FRAME_TYPE:
                 self._skip = length
                 position += FRAME_HEADER_LENGTH
                 continue
-            if frame_type == GOAWAY_FRAME_TYPE and length > MAX_GOAWAY_PAYLOAD:
+            elif length > MAX_GOAWAY_PAYLOAD:
                 raise GoawayTooLarge(f"GOAWAY frame of {length} bytes")
-            if frame_end > end and not cut_out:
+            elif frame_end > end:
                 break
             if start_of_run < position:
-                segments.append((bytes(view[start_of_run:position]), False))
+                segments.append((bytes(data[start_of_run:position]), 0))
             if frame_end > end:
-                self._held, self._held_missing = bytearray(view[position:end]), frame_end - end
+                self._held, self._held_missing = bytearray(memoryview(data)[position:end]), frame_end - end
+                self._held_stream_id = stream_id
                 return segments, goaways
             if cut_out:
-                segments.append((view[position:frame_end], True))  # not copied: the lean path copies the payload
+                segments.append((memoryview(data)[position:frame_end], stream_id))  # the lean path copies the payload
             else:
-                goaways.append(_decode_goaway_payload(bytes(view[position + FRAME_HEADER_LENGTH : frame_end])))
+                goaways.append(_decode_goaway_payload(bytes(data[position + FRAME_HEADER_LENGTH : frame_end])))
             position = start_of_run = frame_end
         if start_of_run < position:
-            segments.append((bytes(view[start_of_run:position]), False))
+            segments.append((bytes(data[start_of_run:position]), 0))
         if position < end:
-            self._pending = bytes(view[position:])
+            self._pending = bytes(data[position:])
         return segments, goaways
 
     def _continue_from_earlier_reads(self, data: Buffer, segments: list[Segment]) -> tuple[Buffer, int]:
@@ -260,7 +262,7 @@ class GoawayFilter:
         self._held_missing -= taken
         if self._held_missing:
             return b""
-        segments.append((self._held, True))
+        segments.append((memoryview(self._held), self._held_stream_id))
         self._held = bytearray()
         return view[taken:]
 

@@ -72,8 +72,8 @@ from ztwisted.h2.goaway import (
     END_STREAM_FLAG,
     FRAME_HEADER,
     FRAME_HEADER_LENGTH,
-    MAX_STREAM_ID,
     PADDED_FLAG,
+    Buffer,
 )
 
 #: the states in which h2 takes a DATA frame without changing state (a connection's state is an
@@ -153,8 +153,9 @@ def _h2_has_the_internals() -> bool:
 ENABLED = _h2_is_checked() and _h2_has_the_internals()
 
 
-def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2.events.Event] | None:
-    """Receive one whole DATA frame (header included) as ``h2`` would, or None: give it to ``h2``.
+def take_data_frame(h2conn: h2.connection.H2Connection, frame: Buffer, stream_id: int) -> list[h2.events.Event] | None:
+    """Receive one whole DATA frame (header included) on ``stream_id`` (its header's, without the
+    reserved bit) as ``h2`` would, or None: give it to ``h2``.
 
     Raises ``h2``'s ``FlowControlError`` or ``InvalidBodyLengthError`` (both ``ProtocolError``) when the
     frame overruns a window or a content-length, after ``h2`` queued its GOAWAY, as ``receive_data`` does.
@@ -171,32 +172,32 @@ def take_data_frame(h2conn: h2.connection.H2Connection, frame: bytes) -> list[h2
     buffered = h2conn.incoming_buffer
     if buffered._data or buffered._headers_buffer:
         return None
-    stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID  # the header's last 4 bytes
     stream = h2conn.streams.get(stream_id)
-    if stream is None or stream.state_machine.state not in _STREAM_RECEIVES_DATA:
+    if stream is None:
         return None
-    if not stream.state_machine.headers_received:  # DATA before the response: h2's protocol error
-        return None
+    machine = stream.state_machine
+    if machine.state not in _STREAM_RECEIVES_DATA or not machine.headers_received:
+        return None  # (DATA before the response is h2's protocol error)
     try:
         # h2's WindowManager.window_consumed, for the connection's window, then the stream's
         for window in (h2conn._inbound_flow_control_window_manager, stream._inbound_window_manager):
             window.current_window_size -= length
             if window.current_window_size < 0:
                 raise h2.exceptions.FlowControlError("Flow control window shrunk below 0")
-        end_stream = bool(flags & END_STREAM_FLAG)
         if stream._expected_content_length is None:  # a tunnel: h2 only counts what came
             stream._actual_content_length += length
         else:
-            stream._track_content_length(length, end_stream)
+            stream._track_content_length(length, bool(flags & END_STREAM_FLAG))
     except h2.exceptions.ProtocolError as e:
         h2conn._terminate_connection(e.error_code)
         raise
+    # The payload copied once: a slice of bytes is bytes already, one of a view is copied by bytes()
     received = h2.events.DataReceived(
-        stream_id=stream_id, data=bytes(memoryview(frame)[FRAME_HEADER_LENGTH:]), flow_controlled_length=length
+        stream_id=stream_id, data=bytes(frame[FRAME_HEADER_LENGTH:]), flow_controlled_length=length
     )
-    if not end_stream:
+    if not flags & END_STREAM_FLAG:
         return [received]
-    received.stream_ended = _end_received(stream.state_machine)
+    received.stream_ended = _end_received(machine)
     return [received, received.stream_ended]
 
 

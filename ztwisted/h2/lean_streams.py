@@ -80,6 +80,7 @@ from ztwisted.h2.goaway import (
     HEADERS_FRAME_TYPE,
     MAX_STREAM_ID,
     RST_STREAM_FRAME_TYPE,
+    Segment,
     pack_frame_header,
 )
 from ztwisted.h2.lean_data import STREAM_CLOSED, STREAM_HALF_CLOSED_LOCAL, STREAM_HALF_CLOSED_REMOTE, STREAM_OPEN
@@ -122,7 +123,7 @@ def _h2_has_the_internals() -> bool:
 ENABLED = lean_data.ENABLED and _h2_has_the_internals()
 
 
-def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool]]) -> list[h2.events.Event]:
+def receive(h2conn: h2.connection.H2Connection, segments: list[Segment]) -> list[h2.events.Event]:
     """``h2``'s events for received bytes in :meth:`~ztwisted.h2.goaway.GoawayFilter.segments`, in order.
 
     Each whole frame cut out goes through :func:`~ztwisted.h2.lean_data.take_data_frame` (DATA),
@@ -131,12 +132,12 @@ def receive(h2conn: h2.connection.H2Connection, segments: list[tuple[bytes, bool
     As with one ``receive_data`` call, an error in any segment raises before any event is handled.
     """
     events: list[h2.events.Event] = []
-    for segment, whole_frame in segments:
+    for segment, lean_stream_id in segments:
         taken = None
-        if whole_frame:
+        if lean_stream_id:
             frame_type = segment[3]
             if frame_type == DATA_FRAME_TYPE:
-                taken = lean_data.take_data_frame(h2conn, segment)
+                taken = lean_data.take_data_frame(h2conn, segment, lean_stream_id)
             elif frame_type == HEADERS_FRAME_TYPE:
                 taken = take_headers_frame(h2conn, segment)
             elif frame_type == RST_STREAM_FRAME_TYPE:

@@ -354,10 +354,12 @@ class _WritesOfATurn:
         if len(data) >= _AGGREGATED_BELOW:
             self.flush()
             transport = self._transport
+            if transport._aborted:  # dropped, as flush drops it (TLSMemoryBIOProtocol.write would not)
+                return
             if transport._appSendBuffer:  # writes still held from before the handshake ended go first
                 transport._bufferedWrite(bytes(data))
                 return
-            TLSMemoryBIOProtocol.write(transport, data)
+            TLSMemoryBIOProtocol.write(transport, data)  # which drops it after loseConnection, as flush
             return
         self._buffer.append(data)
         self._left -= len(data)

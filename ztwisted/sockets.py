@@ -373,10 +373,10 @@ class _WriteThrough:
             self.connected
             and not self.disconnecting
             and not self._aborting  # an aborted connection drops what is written
-            and not self._writeDisconnected
             # A half-close Twisted is still to make (a producer was registered) happens when
             # its queue empties: what is written meanwhile must join that queue, or the FIN
-            # would never follow it.
+            # would never follow it. (It also covers a half-close made: Twisted sets
+            # _writeDisconnected only after _writeDisconnecting, and so does loseWriteConnection.)
             and not self._writeDisconnecting
             # Nothing queued (_nothing_queued, inline: this is every message's path)
             and not self._tempDataLen

@@ -334,12 +334,34 @@ class _WritesOfATurn:
             self._call_after_events = clock.reactor.callAfterEvents
         else:
             self._call_after_events = functools.partial(clock.callLater, 0)
-        self._buffer: list[bytes] = []
+        self._buffer: list[bytes | bytearray] = []
         self._left = _AGGREGATED_BELOW
         self._scheduled = None
 
     def write(self, data: bytes) -> None:
-        self._buffer.append(data + b"")  # a copy of a bytearray (and a TypeError for str), as Twisted's
+        """The transport's ``write``: held for the end of the turn, as Twisted's."""
+        self.write_buffer(data + b"")  # a copy of a bytearray (and a TypeError for str), as Twisted's
+
+    def write_buffer(self, data: bytes | bytearray) -> None:
+        """The transport's ``write_buffer``: :meth:`write` for a buffer the caller gives up (it must
+        not change it afterwards), held as it is (the join in :meth:`flush` copies it).
+
+        A write as big as Twisted's aggregation limit (64,000 bytes) is encrypted at once,
+        after what smaller writes of this reactor turn left waiting: as the aggregation
+        does, but without first copying it into ``bytes`` and again into one joined
+        ``bytes``.
+        """
+        if len(data) >= _AGGREGATED_BELOW:
+            self.flush()
+            transport = self._transport
+            if transport._aborted:  # dropped, as flush drops it (TLSMemoryBIOProtocol.write would not)
+                return
+            if transport._appSendBuffer:  # writes still held from before the handshake ended go first
+                transport._bufferedWrite(bytes(data))
+                return
+            TLSMemoryBIOProtocol.write(transport, data)  # which drops it after loseConnection, as flush
+            return
+        self._buffer.append(data)
         self._left -= len(data)
         if self._left < 0:
             self.flush()
@@ -413,6 +435,9 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         # loseConnection flushes it, its connectionLost closes it, as they did Twisted's).
         self._aggregator = _WritesOfATurn(self, factory._clock)
         self.write = self._aggregator.write
+        #: :meth:`write` for a buffer the caller gives up (it must not change it afterwards): see
+        #: :meth:`_WritesOfATurn.write_buffer`
+        self.write_buffer = self._aggregator.write_buffer
 
     def makeConnection(self, transport) -> None:
         write_through(transport)
@@ -436,23 +461,6 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
         # (the connection's app data is this protocol); the handles taken from it, its bound
         # error check among them, would keep that cycle.
         self._openssl = self._openssl_receive_bio = self._openssl_send_bio = self._openssl_error_check = None
-
-    def write_buffer(self, data: bytes | bytearray) -> None:
-        """:meth:`write` for a buffer the caller gives up (it must not change it afterwards).
-
-        A write as big as Twisted's aggregation limit (64,000 bytes) is encrypted at once,
-        after what smaller writes of this reactor turn left waiting: as the aggregation
-        does, but without first copying it into ``bytes`` and again into one joined
-        ``bytes``. Smaller ones are aggregated as :meth:`write` does.
-        """
-        if len(data) < _AGGREGATED_BELOW:
-            self._aggregator.write(data)
-            return
-        self._aggregator.flush()
-        if self._appSendBuffer:  # writes still held from before the handshake ended go first
-            self._bufferedWrite(bytes(data))
-            return
-        TLSMemoryBIOProtocol.write(self, data)
 
     def _write(self, data: bytes) -> None:
         # Twisted's _write, in one SSL_write instead of one per 16 KiB (the loop only takes

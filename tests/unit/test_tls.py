@@ -854,6 +854,36 @@ def test_small_writes_past_the_aggregation_limit_are_encrypted_at_once_in_order(
     assert link.server.received == first + second + third
 
 
+def test_a_write_as_big_as_the_limit_is_encrypted_at_once_after_the_small_writes_that_wait(
+    lean_reactor, server_cert, client_cert
+):
+    """write() takes write_buffer's path for a big write (after a copy): what waits first, then it, each now."""
+    link, ssl_writes, tcp_writes = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    small, big = b"small, ", bytearray(b"b" * 64_000)
+    link.client_tls.write(small)
+    link.client_tls.write(big)
+    big[:1] = b"x"  # write() copied it: the caller may change it afterwards
+    assert ssl_writes == [len(small), 64_000] and len(tcp_writes) == 2
+    lean_reactor.doIteration(0)
+    assert len(ssl_writes) == 2  # nothing was left for the end of the turn
+    link.pump.flush()
+    assert link.server.received == small + b"b" * 64_000
+
+
+def test_after_an_abort_a_write_as_big_as_the_limit_is_dropped_like_a_small_one(lean_reactor, server_cert, client_cert):
+    """A registered producer keeps writes going after loseConnection, not after an abort: none is encrypted."""
+    link, ssl_writes, _ = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    link.client_tls.registerProducer(Peer(), True)
+    link.client_tls.abortConnection()
+    link.client_tls.write(b"small")
+    link.client_tls.write(b"b" * 64_000)
+    link.client_tls.write_buffer(bytearray(b"c" * 64_000))
+    lean_reactor.doIteration(0)
+    assert ssl_writes == []
+    link.pump.flush()
+    assert link.client.lost is not None and not link.client.lost.check(SSL.Error), link.client.lost
+
+
 def test_writes_of_the_turn_go_before_close_notify_and_later_ones_are_dropped(lean_reactor, server_cert, client_cert):
     """loseConnection sends what the turn wrote first; after it (no producer) writes are dropped, as in Twisted."""
     link, ssl_writes, _ = _link_aggregated_on(lean_reactor, server_cert, client_cert)

@@ -457,6 +457,9 @@ class _WriteThroughTLSTransport(BufferingTLSTransport):
 
     def connectionLost(self, reason) -> None:
         super().connectionLost(reason)
+        # Twisted's connectionLost swaps the aggregator for one that drops writes and
+        # rebinds write to it; write_buffer, bound to the closed aggregator, must follow.
+        self.write_buffer = self.write
         # Twisted drops its pyOpenSSL connection here to break the reference cycle through it
         # (the connection's app data is this protocol); the handles taken from it, its bound
         # error check among them, would keep that cycle.

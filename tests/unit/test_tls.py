@@ -910,6 +910,18 @@ def test_what_a_turn_wrote_before_the_connection_was_lost_is_not_written_afterwa
     assert len(ssl_writes) == count
 
 
+def test_a_given_buffer_written_after_the_connection_was_lost_is_dropped_like_a_write(
+    lean_reactor, server_cert, client_cert
+):
+    link, ssl_writes, _ = _link_aggregated_on(lean_reactor, server_cert, client_cert)
+    turn = link.client_tls._aggregator
+    link.client_tls.connectionLost(Failure(ConnectionDone()))
+    link.client_tls.write_buffer(bytearray(b"after the end"))
+    assert turn._buffer == [], "not held by the closed aggregator for a flush that cannot happen"
+    lean_reactor.doIteration(0)
+    assert ssl_writes == []
+
+
 def test_a_turns_writes_are_dropped_when_the_connection_is_aborted_in_it(lean_reactor, server_cert, client_cert):
     """An abort ends TLS at once: the turn's held writes are not encrypted after it (with a
     producer registered, as an HBONE connection has, OpenSSL refused them and that error

@@ -29,8 +29,8 @@ def describe(python: str) -> str:
     """One line: version, executable and how the interpreter is linked, e.g. for ``sys.executable``."""
     try:
         result = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60)
-    except OSError as e:
-        return f"{python} (not described: {e.strerror})"
+    except (OSError, subprocess.SubprocessError) as e:  # (a report must not be lost to its first line)
+        return f"{python} (not described: {e})"
     if result.returncode != 0:
         last_line = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
         return f"{python} (not described: {last_line})"

@@ -180,9 +180,9 @@ def test_the_lean_paths_take_the_plain_frames():
     client, server = connected(lean=True)
     for stream_id in (3, 5):
         client.send_headers(stream_id, CONNECT)
-        assert lean_streams.take_headers_frame(server.h2, client.h2.data_to_send()) is not None
+        assert lean_streams.take_headers_frame(server.h2, client.h2.data_to_send(), stream_id) is not None
         server.send_headers(stream_id, [(":status", "200")])
-        assert lean_streams.take_headers_frame(client.h2, server.h2.data_to_send()) is not None
+        assert lean_streams.take_headers_frame(client.h2, server.h2.data_to_send(), stream_id) is not None
         client.end_stream(stream_id)
         assert lean_data.take_data_frame(server.h2, client.h2.data_to_send(), stream_id) is not None
         server.end_stream(stream_id)
@@ -255,6 +255,16 @@ def headers_frame(encoder, headers, stream_id: int = 3, flags=("END_HEADERS",)) 
     frame = HeadersFrame(stream_id, flags=flags)
     frame.data = encoder.encode([(n.encode(), v.encode()) for n, v in headers])
     return frame.serialize()
+
+
+def stream_of(frame: bytes) -> int:
+    """The stream id in a frame's header, as the GOAWAY filter hands it to the lean paths."""
+    return int.from_bytes(frame[5:9], "big") & 0x7FFFFFFF
+
+
+def take_headers(h2conn, frame: bytes):
+    """:func:`~ztwisted.h2.lean_streams.take_headers_frame` with the frame's own stream id."""
+    return lean_streams.take_headers_frame(h2conn, frame, stream_of(frame))
 
 
 def request_block(headers, stream_id: int = 3, flags=("END_HEADERS",)) -> bytes:
@@ -365,7 +375,7 @@ def test_a_header_list_over_the_limit_is_refused_as_h2_refuses_it():
 
 def test_headers_frames_left_to_h2():
     client, server = connected(lean=True)
-    take = lean_streams.take_headers_frame
+    take = take_headers
     assert take(server.h2, request_block(CONNECT, flags=("END_HEADERS", "END_STREAM"))) is None
     assert take(server.h2, request_block(CONNECT, flags=())) is None  # CONTINUATION follows
     priority = HeadersFrame(3, flags=["END_HEADERS", "PRIORITY"], data=b"\x82")
@@ -385,7 +395,7 @@ def test_headers_frames_left_to_h2():
 
 def test_headers_left_to_h2_on_the_client_and_when_closed():
     client, server = connected(lean=True)
-    take = lean_streams.take_headers_frame
+    take = take_headers
     assert take(client.h2, request_block([(":status", "200")], stream_id=3)) is None  # no such stream
     client.send_headers(3, CONNECT)
     server.feed(client.h2.data_to_send())
@@ -511,7 +521,7 @@ def test_gated_off_everything_goes_to_h2(monkeypatch):
         monkeypatch.setattr(client.h2, name, lambda *a, _m=method, _n=name, **k: (called.append(_n), _m(*a, **k)))
     client.send_headers(3, CONNECT)
     sent = client.h2.data_to_send()
-    assert lean_streams.take_headers_frame(server.h2, sent) is None
+    assert lean_streams.take_headers_frame(server.h2, sent, 3) is None
     client.end_stream(3)
     assert called == ["send_headers", "end_stream"]
 
@@ -584,7 +594,7 @@ def test_a_headers_frame_over_h2s_maximum_frame_size_is_h2s_error():
     for lean in (False, True):
         client, server = connected(lean)
         block = request_block([*CONNECT, ("x-big", "y" * 17000)])
-        assert lean_streams.take_headers_frame(server.h2, block) is None
+        assert lean_streams.take_headers_frame(server.h2, block, 3) is None
         with pytest.raises(h2.exceptions.FrameTooLargeError):
             server.feed(block)
         outcomes.append(server.h2.data_to_send())
@@ -646,7 +656,7 @@ def test_the_lean_paths_take_plain_resets():
     client.send_headers(3, CONNECT)
     server.feed(client.h2.data_to_send())
     lean_streams.reset_stream(client.h2, 3, 0x1234)  # an unknown code is sent and received as an int
-    (event,) = lean_streams.take_rst_stream_frame(server.h2, client.h2.data_to_send())
+    (event,) = lean_streams.take_rst_stream_frame(server.h2, client.h2.data_to_send(), 3)
     assert (event.stream_id, event.error_code, event.remote_reset) == (3, 0x1234, True)
     assert server.h2.streams[3].state_machine.stream_closed_by is h2.stream.StreamClosedBy.RECV_RST_STREAM
 
@@ -669,7 +679,7 @@ def test_resets_left_to_h2_are_handled_as_h2_handles_them(frame):
             server.feed(client.h2.data_to_send())
         server.feed(rst(3, 8))
         if lean:
-            assert lean_streams.take_rst_stream_frame(server.h2, frame()) is None
+            assert lean_streams.take_rst_stream_frame(server.h2, frame(), stream_of(frame())) is None
         try:
             outcome = describe(server.feed(frame()))
         except h2.exceptions.ProtocolError as e:
@@ -723,7 +733,7 @@ def test_the_filter_does_not_cut_out_a_headers_frame_inside_another_block():
 def test_a_headers_frame_while_h2_holds_part_of_a_header_block_is_left_to_h2():
     client, server = connected(lean=True)
     server.h2.receive_data(request_block(CONNECT, 3, flags=()))  # h2 now holds an open header block
-    assert lean_streams.take_headers_frame(server.h2, request_block(CONNECT, 5)) is None
+    assert lean_streams.take_headers_frame(server.h2, request_block(CONNECT, 5), 5) is None
 
 
 def test_the_filter_cuts_out_the_frames_the_lean_paths_take():

@@ -78,7 +78,6 @@ from ztwisted.h2.goaway import (
     END_STREAM_FLAG,
     FRAME_HEADER_LENGTH,
     HEADERS_FRAME_TYPE,
-    MAX_STREAM_ID,
     RST_STREAM_FRAME_TYPE,
     Segment,
     pack_frame_header,
@@ -139,9 +138,9 @@ def receive(h2conn: h2.connection.H2Connection, segments: list[Segment]) -> list
             if frame_type == DATA_FRAME_TYPE:
                 taken = lean_data.take_data_frame(h2conn, segment, lean_stream_id)
             elif frame_type == HEADERS_FRAME_TYPE:
-                taken = take_headers_frame(h2conn, segment)
+                taken = take_headers_frame(h2conn, segment, lean_stream_id)
             elif frame_type == RST_STREAM_FRAME_TYPE:
-                taken = take_rst_stream_frame(h2conn, segment)
+                taken = take_rst_stream_frame(h2conn, segment, lean_stream_id)
         events += h2conn.receive_data(bytes(segment)) if taken is None else taken
     return events
 
@@ -191,14 +190,14 @@ def plain_response(headers: list) -> bool:
     return _plain_fields(headers, _RESPONSE_PSEUDO_HEADERS) and _FINAL_STATUS(headers[0][1]) is not None
 
 
-def take_headers_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.events.Event] | None:
-    """Receive one whole HEADERS frame (header included) as ``h2`` would, or None: give it to ``h2``.
+def take_headers_frame(h2conn: h2.connection.H2Connection, frame, stream_id: int) -> list[h2.events.Event] | None:
+    """Receive one whole HEADERS frame (header included) on ``stream_id`` (its header's, without the
+    reserved bit, as the filter read it) as ``h2`` would, or None: give it to ``h2``.
 
     Raises ``h2``'s ``ProtocolError`` for a header block it refuses, after ``h2`` queued its GOAWAY.
     """
     if not ENABLED or frame[4] != END_HEADERS_FLAG or not _receives_frames(h2conn, len(frame)):
         return None
-    stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
     client = h2conn.config.client_side
     stream = h2conn.streams.get(stream_id)
     if client:
@@ -414,12 +413,11 @@ def reset_stream(h2conn: h2.connection.H2Connection, stream_id: int, error_code:
     )
 
 
-def take_rst_stream_frame(h2conn: h2.connection.H2Connection, frame) -> list[h2.events.Event] | None:
-    """Receive one whole RST_STREAM frame as ``h2`` would (h2's RECV_RST_STREAM on a stream it holds open:
+def take_rst_stream_frame(h2conn: h2.connection.H2Connection, frame, stream_id: int) -> list[h2.events.Event] | None:
+    """Receive one whole RST_STREAM frame on ``stream_id`` (as for :func:`take_headers_frame`) as ``h2`` would (h2's RECV_RST_STREAM on a stream it holds open:
     closed by the peer, a ``StreamReset``), or None: give it to ``h2``."""
     if not ENABLED or len(frame) != FRAME_HEADER_LENGTH + 4 or not _receives_frames(h2conn, len(frame)):
         return None  # (a body of another length is h2's FRAME_SIZE_ERROR)
-    stream_id = int.from_bytes(frame[5:FRAME_HEADER_LENGTH], "big") & MAX_STREAM_ID
     stream = _resettable(h2conn, stream_id)
     if stream is None:
         return None
